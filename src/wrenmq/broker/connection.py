@@ -1,0 +1,372 @@
+"""The connection: an asyncio Protocol that moves bytes between a socket and the router.
+
+It decodes what arrives (many packets per `data_received`), hands packets to
+the router, buffers what the router sends until the end of the loop turn (one
+write per connection per turn), keeps time (connect timeout, keepalive) and
+applies flow control (a client that does not read is paused, not buffered
+without bound). MQTT semantics live in the router; CONNECT authentication,
+which may await a hook, is the one step handled here.
+"""
+
+import asyncio
+import logging
+from time import monotonic
+
+from ..mqtt import constants as C
+from ..mqtt.codec import ConnectRefused, Decoder, MQTTError, encode
+from ..mqtt.packets import Auth, Connack, Disconnect
+from .hooks import ClientInfo
+
+log = logging.getLogger("wrenmq.connection")
+
+# Connection states.
+_NEW, _AUTH, _OPEN, _CLOSED = range(4)
+
+
+class Connection(asyncio.Protocol):
+    __slots__ = (
+        "broker", "router", "listener", "listener_name", "transport", "decoder", "session",
+        "version", "_out", "congested", "closing", "address", "keepalive", "_timer", "_last_rx",
+        "_pending", "clean_disconnect", "state", "_auth_method", "_connect", "_reason",
+    )
+
+    def __init__(self, broker, listener):
+        self.broker = broker
+        self.router = broker.router
+        self.listener = listener
+        self.listener_name = listener.name or f"{listener.bind}:{listener.port}"
+        self.transport = None
+        self.decoder = Decoder(max_packet_size=broker.config.limits.max_packet_size)
+        self.session = None
+        self.version = C.MQTT311
+        self._out = []
+        self.congested = False
+        self.closing = False
+        self.address = "?"
+        self.keepalive = 0
+        self._timer = None
+        self._last_rx = 0.0
+        self._pending = None  # data that arrived while CONNECT was being authenticated
+        self.clean_disconnect = False
+        self.state = _NEW
+        self._auth_method = None
+        self._connect = None
+        self._reason = None
+
+    # --- asyncio callbacks -------------------------------------------------
+
+    def connection_made(self, transport):
+        self.transport = transport
+        broker = self.broker
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            self.address = f"{peer[0]}:{peer[1]}"
+        elif peer:
+            self.address = str(peer)
+        conns = broker.connections
+        conns.add(self)
+        limits = broker.config.limits
+        if limits.max_connections and len(conns) > limits.max_connections:
+            log.warning("refusing connection from %s: max_connections (%d) reached",
+                        self.address, limits.max_connections)
+            self.closing = True
+            transport.abort()
+            return
+        transport.set_write_buffer_limits(high=limits.write_buffer_high)
+        self._timer = broker.loop.call_later(limits.connect_timeout, self._connect_timeout)
+
+    def data_received(self, data):
+        if self.closing:
+            return
+        self._last_rx = monotonic()
+        self.router.stats.bytes_received += len(data)
+        if self.state != _OPEN:
+            self._before_open(data)
+            return
+        try:
+            packets = self.decoder.feed(data)
+            handlers = self.router.handlers
+            session = self.session
+            for pkt in packets:
+                handler = handlers[pkt.TYPE]
+                if handler is None:
+                    self._on_auth_packet(pkt)
+                else:
+                    handler(session, pkt)
+                if self.closing:
+                    break
+        except MQTTError as e:
+            self.protocol_error(e)
+
+    def eof_received(self):
+        return False
+
+    def pause_writing(self):
+        self.congested = True
+        if not self.closing:
+            self.transport.pause_reading()
+
+    def resume_writing(self):
+        self.congested = False
+        if not self.closing:
+            self.transport.resume_reading()
+            if self.session is not None and self.session.queue:
+                self.router.drain(self.session)
+
+    def connection_lost(self, exc):
+        self.closing = True
+        self.state = _CLOSED
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.broker.connections.discard(self)
+        session = self.session
+        if session is not None:
+            self.session = None
+            if self._reason is not None:
+                why = C.REASON_NAMES.get(self._reason, hex(self._reason))
+            elif self.clean_disconnect:
+                why = "client disconnected"
+            else:
+                why = f"connection lost ({exc})" if exc else "connection closed by client"
+            log.info("client %s disconnected from %s: %s", session.client_id, self.address, why)
+            self.router.connection_lost(session, True, why)
+        self._out.clear()
+
+    # --- sending -----------------------------------------------------------
+
+    def send(self, data):
+        """Queue bytes for this loop turn's single write."""
+        out = self._out
+        if not out:
+            if self.closing:
+                return
+            self.broker.mark_dirty(self)
+        out.append(data)
+
+    def flush(self):
+        out = self._out
+        if not out:
+            return
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        if self.transport is not None and not self.closing:
+            self.transport.write(data)
+            self.router.stats.bytes_sent += len(data)
+
+    def close(self, reason=None):
+        """Close after sending what is queued; 5.0 clients get DISCONNECT(reason) first."""
+        if self.closing:
+            return
+        if reason is not None:
+            self._reason = reason
+            if self.version == C.MQTT5 and self.state in (_OPEN, _CLOSED) or \
+                    (self.version == C.MQTT5 and reason == C.SESSION_TAKEN_OVER):
+                self.send(encode(Disconnect(reason), C.MQTT5))
+        self.flush()
+        self.closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self):
+        self.closing = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def protocol_error(self, err):
+        who = self.session.client_id if self.session is not None else self.address
+        log.info("protocol error from %s: %s", who, err)
+        if self.state != _OPEN and isinstance(err, ConnectRefused):
+            self.refuse(err.version, err.reason)
+            return
+        self.close(err.reason)
+
+    # --- CONNECT and authentication -----------------------------------------
+
+    def _before_open(self, data):
+        if self.state == _AUTH:
+            if self._auth_method is not None:
+                self._auth_exchange(data)
+            else:
+                # Authentication in progress: keep the bytes; reading is paused anyway.
+                self._pending = data if self._pending is None else self._pending + data
+            return
+        try:
+            packets = self.decoder.feed(data)
+        except MQTTError as e:
+            self.protocol_error(e)
+            return
+        if not packets:
+            return
+        first = packets[0]
+        if first.TYPE != C.CONNECT:
+            log.info("closing %s: first packet is %s, not CONNECT", self.address,
+                     C.PACKET_NAMES.get(first.TYPE))
+            self.close()
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.version = first.version
+        rest = packets[1:]
+        self._connect = first
+        self.state = _AUTH
+        self.transport.pause_reading()
+        if rest:
+            # Already decoded: re-encode is not possible cheaply, so keep the packets.
+            self._pending = rest
+        self._authenticate(first)
+
+    def _client_info(self, pkt):
+        return ClientInfo(pkt.client_id, pkt.username, self.address, pkt.version, self.listener_name)
+
+    def _authenticate(self, pkt):
+        hooks = self.broker.hooks
+        method = pkt.properties.get("authentication_method") if pkt.version == C.MQTT5 else None
+        if method is not None:
+            hook = hooks.auth_methods.get(method)
+            if hook is None:
+                self.refuse(pkt.version, C.BAD_AUTHENTICATION_METHOD)
+                return
+            self._auth_method = method
+            self.broker.spawn(self._enhanced_auth(hook, pkt, method, pkt.properties.get("authentication_data"), 0))
+            return
+        if hooks.auth_async:
+            self.broker.spawn(self._authenticate_async(pkt))
+        else:
+            self._auth_done(pkt, hooks.authenticate(self._client_info(pkt), pkt))
+
+    async def _authenticate_async(self, pkt):
+        try:
+            result = await self.broker.hooks.authenticate_async(self._client_info(pkt), pkt)
+        except Exception:
+            log.exception("authentication hook failed for %s", self.address)
+            result = C.UNSPECIFIED_ERROR
+        self._auth_done(pkt, result)
+
+    async def _enhanced_auth(self, hook, pkt, method, data, step):
+        try:
+            r = hook.enhanced_auth(self._client_info(pkt), method, data, step)
+            if asyncio.iscoroutine(r) or isinstance(r, asyncio.Future):
+                r = await r
+            reason, out = r
+        except Exception:
+            log.exception("enhanced auth hook failed for %s", self.address)
+            reason, out = C.UNSPECIFIED_ERROR, None
+        if self.closing:
+            return
+        props = {"authentication_method": method}
+        if out is not None:
+            props["authentication_data"] = out
+        if reason == C.CONTINUE_AUTHENTICATION:
+            self.send(encode(Auth(C.CONTINUE_AUTHENTICATION, props), C.MQTT5))
+            if self.state == _AUTH:
+                self.transport.resume_reading()  # the client's next AUTH must get through
+            return
+        if self.state == _OPEN:  # re-authentication of an open connection
+            if reason == 0:
+                self.send(encode(Auth(0, props), C.MQTT5))
+            else:
+                self.close(reason)
+            return
+        self._auth_done(pkt, True if reason == 0 else reason, props)
+
+    def _auth_exchange(self, data):
+        """Bytes during an enhanced-auth exchange before CONNACK: only AUTH may come."""
+        try:
+            for pkt in self.decoder.feed(data):
+                if pkt.TYPE == C.AUTH and pkt.reason_code == C.CONTINUE_AUTHENTICATION:
+                    self.transport.pause_reading()
+                    self._on_auth_packet(pkt)
+                elif pkt.TYPE == C.DISCONNECT:
+                    self.close()
+                    return
+                else:
+                    raise MQTTError(C.PROTOCOL_ERROR, f"{C.PACKET_NAMES[pkt.TYPE]} during authentication")
+        except MQTTError as e:
+            self.refuse(C.MQTT5, e.reason)
+
+    def _on_auth_packet(self, pkt):
+        """AUTH after CONNECT: a continue step or a re-authentication."""
+        method = pkt.properties.get("authentication_method")
+        if self._auth_method is None or method != self._auth_method:
+            raise MQTTError(C.PROTOCOL_ERROR, "AUTH with a different or no authentication method")
+        hook = self.broker.hooks.auth_methods.get(method)
+        self.broker.spawn(self._enhanced_auth(hook, self._connect, method,
+                                              pkt.properties.get("authentication_data"), 1))
+
+    def _auth_done(self, pkt, result, auth_props=None):
+        if self.closing:
+            return
+        if result is None:
+            allow = self.broker.config.auth.allow_anonymous
+            if not allow:
+                result = C.BAD_USER_NAME_OR_PASSWORD if pkt.username is not None else C.NOT_AUTHORIZED
+        if result is False:
+            result = C.BAD_USER_NAME_OR_PASSWORD
+        if result is not None and result is not True:
+            self.refuse(pkt.version, int(result))
+            return
+        session = self.router.connect(self, pkt, pkt.username, auth_props)
+        if session is None:
+            return
+        self.session = session
+        self.state = _OPEN
+        self.decoder.version = pkt.version
+        self._last_rx = monotonic()
+        if self.keepalive:
+            self._timer = self.broker.loop.call_later(self.keepalive * 1.5, self._check_keepalive)
+        pending = self._pending
+        self._pending = None
+        if not self.closing:
+            self.transport.resume_reading()
+        if pending:
+            if isinstance(pending, list):
+                try:
+                    for p in pending:
+                        h = self.router.handlers[p.TYPE]
+                        if h is None:
+                            self._on_auth_packet(p)
+                        else:
+                            h(session, p)
+                        if self.closing:
+                            return
+                except MQTTError as e:
+                    self.protocol_error(e)
+            else:
+                self.data_received(pending)
+
+    def refuse(self, version, reason):
+        """Answer a CONNECT with a failure CONNACK and close."""
+        if version == C.MQTT5:
+            self.send(encode(Connack(False, reason), version))
+        else:
+            rc = C.V5_TO_V311_CONNACK.get(reason)
+            if rc is not None:
+                self.send(encode(Connack(False, rc), version))
+        log.info("refused CONNECT from %s: %s", self.address, C.REASON_NAMES.get(reason, hex(reason)))
+        self.close()
+
+    # --- timers ------------------------------------------------------------
+
+    def _connect_timeout(self):
+        self._timer = None
+        if self.state == _NEW and not self.closing:
+            log.info("closing %s: no CONNECT within the connect timeout", self.address)
+            self.close()
+
+    def _check_keepalive(self):
+        self._timer = None
+        if self.closing:
+            return
+        limit = self.keepalive * 1.5
+        idle = monotonic() - self._last_rx
+        if idle >= limit:
+            log.info("client %s: keepalive timeout after %.1fs idle",
+                     self.session.client_id if self.session else self.address, idle)
+            self.close(C.KEEP_ALIVE_TIMEOUT)
+        else:
+            self._timer = self.broker.loop.call_later(limit - idle, self._check_keepalive)

@@ -1,0 +1,177 @@
+"""Hooks: the extension points of the broker (auth, ACL, storage, transforms).
+
+Subclass `Hook` and override only what you need; the broker calls a method
+only if at least one registered hook overrides it, so unused hooks cost
+nothing on the publish path. Every method receives the client: its `Session`,
+or a `ClientInfo` before the session exists (both have `client_id`,
+`username`, `address`, `version`, `listener`; do not modify them).
+
+Answers: `authenticate` and the `authorize_*` methods return True (allow),
+False (deny) or None (no opinion: ask the next hook). When no hook has an
+opinion the broker's configured default applies. `authenticate` and
+`enhanced_auth` may be coroutines; everything else is called on the hot path
+and must be plain functions.
+"""
+
+import inspect
+
+
+class ClientInfo:
+    """Who is connecting, for `authenticate` (a `Session` has the same attributes)."""
+
+    __slots__ = ("client_id", "username", "address", "version", "listener")
+
+    def __init__(self, client_id, username, address, version, listener):
+        self.client_id = client_id
+        self.username = username
+        self.address = address
+        self.version = version
+        self.listener = listener
+
+    def __repr__(self):
+        return f"ClientInfo({self.client_id!r}, username={self.username!r}, address={self.address!r})"
+
+
+class Hook:
+    #: Authentication methods (MQTT 5 enhanced auth) this hook answers for.
+    auth_methods = frozenset()
+
+    def authenticate(self, client, connect):
+        """CONNECT arrived: True accept, False bad credentials, an int = 5.0 reason code."""
+        return None
+
+    def enhanced_auth(self, client, method, data, step):
+        """One step of an MQTT 5 AUTH exchange.
+
+        Return (reason, data): reason 0x00 success, 0x18 continue (data goes to the
+        client in an AUTH packet), anything else refuses with that reason code.
+        """
+        return (0x8C, None)
+
+    def authorize_publish(self, client, topic, qos, retain):
+        return None
+
+    def authorize_subscribe(self, client, topic_filter, qos):
+        return None
+
+    def authorize_deliver(self, client, message):
+        """A message is about to be delivered to `client` (retained, queued or live)."""
+        return None
+
+    def on_publish(self, client, message):
+        """Transform an accepted message: return it (possibly changed), or None to drop it."""
+        return message
+
+    def on_connect(self, client):
+        pass
+
+    def on_disconnect(self, client, reason):
+        pass
+
+    def on_session_expired(self, client_id):
+        pass
+
+    def on_reload(self):
+        """Re-read files (SIGHUP); raise to keep the previous state."""
+
+
+def _overrides(hook, name):
+    return getattr(type(hook), name, None) is not getattr(Hook, name)
+
+
+class HookChain:
+    """The registered hooks, with one dispatcher per hook point.
+
+    Each `authorize_*`/`on_publish` attribute is None when no hook implements it,
+    so the router tests `if hooks.authorize_publish is not None` and pays nothing otherwise.
+    """
+
+    def __init__(self, hooks=()):
+        self.hooks = []
+        for h in hooks:
+            self.add(h, rebuild=False)
+        self._rebuild()
+
+    def add(self, hook, rebuild=True):
+        self.hooks.append(hook)
+        if rebuild:
+            self._rebuild()
+
+    def _rebuild(self):
+        def chain(name):
+            return [getattr(h, name) for h in self.hooks if _overrides(h, name)]
+
+        self._auth = chain("authenticate")
+        self.auth_async = any(inspect.iscoroutinefunction(f) for f in self._auth)
+        self.auth_methods = {}
+        for h in self.hooks:
+            for m in h.auth_methods:
+                self.auth_methods.setdefault(m, h)
+        self.authorize_publish = self._decider(chain("authorize_publish"))
+        self.authorize_subscribe = self._decider(chain("authorize_subscribe"))
+        self.authorize_deliver = self._decider(chain("authorize_deliver"))
+        transforms = chain("on_publish")
+        if not transforms:
+            self.on_publish = None
+        elif len(transforms) == 1:
+            self.on_publish = transforms[0]
+        else:
+            def on_publish(client, message, _t=transforms):
+                for f in _t:
+                    message = f(client, message)
+                    if message is None:
+                        return None
+                return message
+            self.on_publish = on_publish
+        self._on_connect = chain("on_connect")
+        self._on_disconnect = chain("on_disconnect")
+        self._on_expired = chain("on_session_expired")
+        self._on_reload = chain("on_reload")
+
+    @staticmethod
+    def _decider(funcs):
+        if not funcs:
+            return None
+        if len(funcs) == 1:
+            return funcs[0]
+
+        def decide(*args):
+            for f in funcs:
+                r = f(*args)
+                if r is not None:
+                    return r
+            return None
+        return decide
+
+    def authenticate(self, client, connect):
+        """First opinion of the chain (sync hooks only); None if nobody answered."""
+        for f in self._auth:
+            r = f(client, connect)
+            if r is not None:
+                return r
+        return None
+
+    async def authenticate_async(self, client, connect):
+        for f in self._auth:
+            r = f(client, connect)
+            if inspect.isawaitable(r):
+                r = await r
+            if r is not None:
+                return r
+        return None
+
+    def on_connect(self, client):
+        for f in self._on_connect:
+            f(client)
+
+    def on_disconnect(self, client, reason):
+        for f in self._on_disconnect:
+            f(client, reason)
+
+    def on_session_expired(self, client_id):
+        for f in self._on_expired:
+            f(client_id)
+
+    def reload(self):
+        for f in self._on_reload:
+            f()

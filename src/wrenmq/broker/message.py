@@ -1,0 +1,144 @@
+"""The application message as the broker routes it, and its outgoing encodings.
+
+A message is built once per accepted PUBLISH and shared by every subscriber.
+Its encodings are cached per variant, and when the packet a subscriber needs
+is byte-for-byte the one that arrived, the received bytes are sent as they are.
+"""
+
+from math import ceil
+
+from ..mqtt.codec import encode_properties, encode_varint
+
+# Properties that travel with the message (topic_alias and subscription_identifier
+# belong to one hop and are rebuilt per subscriber).
+_HOP_PROPERTIES = ("topic_alias", "subscription_identifier")
+
+
+class Message:
+    __slots__ = (
+        "topic", "payload", "qos", "retain", "properties", "expiry", "client_id", "origin",
+        "raw", "raw_v5", "timestamp", "offset", "_topic_b", "_props_v5", "_cache",
+    )
+
+    def __init__(self, topic, payload, qos=0, retain=False, properties=None, expiry=None,
+                 client_id="", origin=None, raw=None, raw_v5=False, timestamp=0.0):
+        self.topic = topic
+        self.payload = payload
+        self.qos = qos
+        self.retain = retain
+        # Forwardable MQTT 5 properties (a dict; empty when there are none).
+        self.properties = properties if properties is not None else {}
+        # Absolute monotonic deadline after which the message must not be delivered.
+        self.expiry = expiry
+        self.client_id = client_id
+        # The publishing session (for no-local), or None for broker-made messages.
+        self.origin = origin
+        # Received bytes of a QoS 0, retain 0 PUBLISH, reusable as is for subscribers
+        # of the same protocol family (3.x or 5) when nothing per-hop needs to change.
+        self.raw = raw
+        self.raw_v5 = raw_v5
+        self.timestamp = timestamp
+        self.offset = -1  # position in the commit log, once appended
+        self._topic_b = None
+        self._props_v5 = None
+        self._cache = None
+
+    @property
+    def topic_bytes(self):
+        tb = self._topic_b
+        if tb is None:
+            tb = self._topic_b = self.topic.encode("utf-8")
+        return tb
+
+    def expired(self, now):
+        return self.expiry is not None and now >= self.expiry
+
+    def props_v5(self, sub_ids=(), now=0.0, alias=None):
+        """Encoded 5.0 property block for one delivery."""
+        if not sub_ids and self.expiry is None and alias is None:
+            pb = self._props_v5
+            if pb is None:
+                pb = self._props_v5 = encode_properties(self.properties)
+            return pb
+        props = dict(self.properties)
+        if self.expiry is not None:
+            props["message_expiry_interval"] = max(0, ceil(self.expiry - now))
+        if sub_ids:
+            props["subscription_identifier"] = list(sub_ids)
+        if alias is not None:
+            props["topic_alias"] = alias
+        return encode_properties(props)
+
+    def parts(self, v5, qos, retain, sub_ids=(), now=0.0):
+        """(head, tail) of the PUBLISH for a subscriber, without DUP and packet id.
+
+        For QoS > 0 the packet is head + packet id (2 bytes) + tail; the remaining
+        length in head already counts the packet id. Cached when reusable.
+        """
+        key = (v5, qos, retain, sub_ids) if self.expiry is None else None
+        if key is not None:
+            cache = self._cache
+            if cache is None:
+                cache = self._cache = {}
+            else:
+                hit = cache.get(key)
+                if hit is not None:
+                    return hit
+        tb = self.topic_bytes
+        props = self.props_v5(sub_ids, now) if v5 else b""
+        n = 2 + len(tb) + (2 if qos else 0) + len(props) + len(self.payload)
+        first = 0x30 | (qos << 1) | (1 if retain else 0)
+        tl = len(tb)
+        head = (bytes((first, n)) if n < 128 else bytes((first,)) + encode_varint(n)) + \
+            bytes((tl >> 8, tl & 0xFF)) + tb
+        tail = props + self.payload if props else self.payload
+        result = (head, tail)
+        if key is not None:
+            cache[key] = result
+        return result
+
+    def encode_qos0(self, v5, retain, sub_ids=(), now=0.0):
+        """The full QoS 0 PUBLISH for a subscriber, reusing the received bytes when identical."""
+        raw = self.raw
+        if raw is not None and v5 == self.raw_v5 and not retain and not sub_ids and (
+                not v5 or self.expiry is None):
+            return raw
+        head, tail = self.parts(v5, 0, retain, sub_ids, now)
+        return head + tail
+
+    def encode(self, v5, qos, retain, packet_id, dup=False, sub_ids=(), now=0.0, alias=None,
+               alias_only=False):
+        """One PUBLISH for one subscriber; the general path (aliases, DUP)."""
+        if alias is None and not dup:
+            if not qos:
+                return self.encode_qos0(v5, retain, sub_ids, now)
+            head, tail = self.parts(v5, qos, retain, sub_ids, now)
+            return head + bytes((packet_id >> 8, packet_id & 0xFF)) + tail
+        tb = b"" if alias_only else self.topic_bytes
+        props = self.props_v5(sub_ids, now, alias) if v5 else b""
+        n = 2 + len(tb) + (2 if qos else 0) + len(props) + len(self.payload)
+        first = 0x30 | (qos << 1) | (1 if retain else 0) | (8 if dup else 0)
+        tl = len(tb)
+        out = bytearray((first,))
+        out += encode_varint(n)
+        out += bytes((tl >> 8, tl & 0xFF))
+        out += tb
+        if qos:
+            out += bytes((packet_id >> 8, packet_id & 0xFF))
+        out += props
+        out += self.payload
+        return bytes(out)
+
+    def __repr__(self):
+        return (f"Message(topic={self.topic!r}, payload={self.payload[:32]!r}, qos={self.qos}, "
+                f"retain={self.retain}, client_id={self.client_id!r})")
+
+
+def message_properties(props):
+    """The forwardable subset of a received PUBLISH's properties (a new dict)."""
+    if not props:
+        return {}
+    out = dict(props)
+    for k in _HOP_PROPERTIES:
+        out.pop(k, None)
+    return out

@@ -1,0 +1,789 @@
+"""The router: owns sessions, subscriptions, retained messages and routing.
+
+Connections hand it decoded packets; it answers by writing bytes to the
+connections involved. It never awaits and never touches a socket: time comes
+from `clock`, timers are a heap the broker drives through `tick()`, and every
+accepted message passes through `publish()`, the one append point where the
+commit log (and later the cluster) sit.
+"""
+
+import heapq
+import logging
+import os
+import time
+from itertools import count
+
+from ..mqtt import constants as C
+from ..mqtt.codec import MQTTError, encode
+from ..mqtt.packets import Connack, Suback, Unsuback
+from .message import Message, message_properties
+from .session import NEVER, Outgoing, Session, Subscription
+from .topics import RetainedTrie, TopicError, TopicTrie, parse_shared, validate_topic_filter
+
+log = logging.getLogger("wrenmq.router")
+
+_PUBACK = C.PUBACK << 4
+_PUBREC = C.PUBREC << 4
+_PUBCOMP = C.PUBCOMP << 4
+_PINGRESP = b"\xd0\x00"
+
+# Timer kinds.
+_EXPIRE_SESSION = 1
+_PUBLISH_WILL = 2
+
+
+class Stats:
+    """Counters behind $SYS; plain attributes so the hot path can bump them cheaply."""
+
+    __slots__ = ("started", "msgs_received", "msgs_sent", "bytes_received", "bytes_sent",
+                 "pub_received", "pub_sent", "pub_dropped", "connects", "clients_maximum",
+                 "denied_publish", "denied_subscribe", "expired")
+
+    def __init__(self):
+        self.started = time.time()
+        for s in self.__slots__[1:]:
+            setattr(self, s, 0)
+
+
+class SharedGroup:
+    """The members of one `$share/<name>/<filter>`; each message goes to one of them."""
+
+    __slots__ = ("name", "filter", "members", "next")
+
+    def __init__(self, name, flt):
+        self.name = name
+        self.filter = flt
+        self.members = []  # Subscription, in join order
+        self.next = 0
+
+    def pick(self, exclude=None):
+        """Round robin over online members; an offline member only if nobody is online."""
+        members = self.members
+        n = len(members)
+        if not n:
+            return None
+        start = self.next
+        fallback = None
+        for i in range(n):
+            sub = members[(start + i) % n]
+            if sub.session is exclude:
+                continue
+            if sub.session.conn is not None:
+                self.next = (start + i + 1) % n
+                return sub
+            if fallback is None:
+                fallback = sub
+        self.next = (start + 1) % n
+        return fallback
+
+
+def _encode_ack(first, pid, reason, v5):
+    if reason and v5:
+        return bytes((first, 3, pid >> 8, pid & 0xFF, reason))
+    return bytes((first, 2, pid >> 8, pid & 0xFF))
+
+
+class Router:
+    def __init__(self, config, hooks, clock=time.monotonic):
+        self.cfg = config
+        self.limits = config.limits
+        self.hooks = hooks
+        self.clock = clock
+        self.sessions = {}  # client id -> Session
+        self.subs = TopicTrie()  # filter -> {client id: Subscription}
+        self.shared = TopicTrie()  # filter -> {group name: SharedGroup}
+        self.retained = RetainedTrie()
+        self._matches = {}  # topic -> (normal targets, shared groups)
+        self.stats = Stats()
+        self.online = 0
+        self._timers = []
+        self._seq = count()
+        self.on_timer = None  # broker callback(deadline) when the earliest timer changes
+        self.store = None  # commit log append point (set by the broker when enabled)
+        self.maximum_qos = config.broker.maximum_qos
+        self.retain_available = config.broker.retain_available
+        self.max_queued = self.limits.max_queued_messages
+        self.queue_qos0 = config.broker.queue_qos0_messages
+        self.max_levels = self.limits.max_topic_levels
+        h = [None] * 16
+        h[C.PUBLISH] = self.handle_publish
+        h[C.PUBACK] = self.handle_puback
+        h[C.PUBREC] = self.handle_pubrec
+        h[C.PUBREL] = self.handle_pubrel
+        h[C.PUBCOMP] = self.handle_pubcomp
+        h[C.SUBSCRIBE] = self.handle_subscribe
+        h[C.UNSUBSCRIBE] = self.handle_unsubscribe
+        h[C.PINGREQ] = self.handle_pingreq
+        h[C.DISCONNECT] = self.handle_disconnect
+        for t in (C.CONNECT, C.CONNACK, C.SUBACK, C.UNSUBACK, C.PINGRESP):
+            h[t] = self._unexpected
+        self.handlers = h
+
+    # --- timers -------------------------------------------------------------
+
+    def _schedule(self, deadline, kind, session):
+        heapq.heappush(self._timers, (deadline, next(self._seq), kind, session, session.generation))
+        if self._timers[0][0] == deadline and self.on_timer is not None:
+            self.on_timer(deadline)
+
+    def next_deadline(self):
+        return self._timers[0][0] if self._timers else None
+
+    def tick(self):
+        """Run every timer that is due; return the next deadline (or None)."""
+        now = self.clock()
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, _, kind, session, gen = heapq.heappop(timers)
+            if session.generation != gen or session.conn is not None:
+                continue  # reconnected since: the timer is stale
+            if kind == _PUBLISH_WILL:
+                if session.will_at is not None and session.will_at <= now:
+                    self._publish_will(session)
+            elif kind == _EXPIRE_SESSION:
+                if session.expires_at is not None and session.expires_at <= now:
+                    if self.sessions.get(session.client_id) is session:
+                        log.info("session %s expired", session.client_id)
+                        self.end_session(session)
+        return timers[0][0] if timers else None
+
+    # --- connect / disconnect ----------------------------------------------
+
+    def connect(self, conn, pkt, username, auth_props=None):
+        """Accept an authenticated CONNECT: attach or create the session, send CONNACK.
+
+        Returns the session, or None when the CONNECT was refused (CONNACK sent).
+        """
+        limits = self.limits
+        v5 = pkt.version == C.MQTT5
+        cid = pkt.client_id
+        props = {}
+        if not cid:
+            if not v5 and not pkt.clean_start:
+                conn.refuse(pkt.version, C.CLIENT_IDENTIFIER_NOT_VALID)
+                return None
+            cid = "wrenmq-" + os.urandom(9).hex()
+            if v5:
+                props["assigned_client_identifier"] = cid
+        keepalive = pkt.keepalive
+        if limits.max_keepalive < 65535 and (keepalive == 0 or keepalive > limits.max_keepalive):
+            if not v5:
+                conn.refuse(pkt.version, C.CLIENT_IDENTIFIER_NOT_VALID)
+                return None
+            keepalive = limits.max_keepalive
+            props["server_keep_alive"] = keepalive
+        if pkt.will is not None:
+            try:
+                self._check_topic_name(pkt.will.topic)
+            except MQTTError:
+                conn.refuse(pkt.version, C.TOPIC_NAME_INVALID)
+                return None
+            if pkt.will.qos > self.maximum_qos:
+                conn.refuse(pkt.version, C.QOS_NOT_SUPPORTED)
+                return None
+            if pkt.will.retain and not self.retain_available:
+                conn.refuse(pkt.version, C.RETAIN_NOT_SUPPORTED)
+                return None
+
+        # Session expiry requested vs allowed.
+        if v5:
+            expiry = pkt.properties.get("session_expiry_interval", 0)
+        else:
+            expiry = 0 if pkt.clean_start else NEVER
+        if expiry > limits.max_session_expiry:
+            expiry = limits.max_session_expiry
+            if v5:
+                props["session_expiry_interval"] = expiry
+
+        session = self.sessions.get(cid)
+        present = False
+        if session is not None:
+            if session.conn is not None:
+                self._take_over(session, pkt.clean_start)
+            if pkt.clean_start:
+                self.end_session(session, publish_will=True)
+                session = None
+            else:
+                present = True
+        if session is None:
+            session = Session(cid)
+            self.sessions[cid] = session
+
+        now = self.clock()
+        session.generation += 1
+        session.version = pkt.version
+        session.v5 = v5
+        session.conn = conn
+        session.expiry_interval = expiry
+        session.expires_at = None
+        session.will_at = None
+        session.username = username
+        session.address = conn.address
+        session.listener = conn.listener_name
+        session.connected_at = now
+        session.alias_in = {}
+        session.alias_out = {}
+        cprops = pkt.properties
+        session.send_quota = min(cprops.get("receive_maximum", 65535), limits.max_inflight)
+        session.max_packet_out = cprops.get("maximum_packet_size", 0)
+        session.alias_out_max = cprops.get("topic_alias_maximum", 0)
+        session.topic_alias_in_max = limits.topic_alias_maximum if v5 else 0
+        session.receive_max_in = limits.receive_maximum
+        session.request_problem_info = bool(cprops.get("request_problem_information", 1))
+        session.will = self._will_message(pkt.will, cid, session) if pkt.will is not None else None
+        conn.keepalive = keepalive
+        self.online += 1
+        self.stats.connects += 1
+        if self.online > self.stats.clients_maximum:
+            self.stats.clients_maximum = self.online
+
+        if v5:
+            props.update(self._connack_properties())
+            if auth_props:
+                props.update(auth_props)
+        conn.send(encode(Connack(present, 0, props), pkt.version))
+        log.info("client %s connected from %s (v%s, clean=%s, keepalive=%s, session present=%s)",
+                 cid, conn.address, {3: "3.1", 4: "3.1.1", 5: "5.0"}[pkt.version],
+                 int(pkt.clean_start), keepalive, int(present))
+        if present:
+            self._resume(session)
+        self.hooks.on_connect(session)
+        return session
+
+    def _connack_properties(self):
+        limits = self.limits
+        b = self.cfg.broker
+        props = {
+            "receive_maximum": limits.receive_maximum,
+            "topic_alias_maximum": limits.topic_alias_maximum,
+            "maximum_packet_size": limits.max_packet_size,
+        }
+        if self.maximum_qos < 2:
+            props["maximum_qos"] = self.maximum_qos
+        if not self.retain_available:
+            props["retain_available"] = 0
+        if not b.wildcard_subscriptions:
+            props["wildcard_subscription_available"] = 0
+        if not b.subscription_identifiers:
+            props["subscription_identifier_available"] = 0
+        if not b.shared_subscriptions:
+            props["shared_subscription_available"] = 0
+        return props
+
+    def _will_message(self, will, cid, session):
+        """Keep the will as an unpublished Message; its expiry starts when it is published."""
+        props = message_properties(will.properties)
+        session.will_delay = props.pop("will_delay_interval", 0)
+        return Message(will.topic, will.payload, will.qos, will.retain, props, None, cid, session)
+
+    def _take_over(self, session, clean):
+        old = session.conn
+        log.info("client %s taken over by a new connection", session.client_id)
+        old.session = None
+        self.online -= 1
+        session.conn = None
+        if session.will is not None and (clean or not session.will_delay):
+            self._publish_will(session)
+        session.will = None
+        old.close(C.SESSION_TAKEN_OVER)
+
+    def _resume(self, session):
+        """Resend unacknowledged messages in their original order, then the queue."""
+        conn = session.conn
+        now = self.clock()
+        for pid, out in list(session.inflight.items()):
+            if out.released:
+                conn.send(bytes((0x62, 2, pid >> 8, pid & 0xFF)))
+            elif out.msg.expired(now):
+                del session.inflight[pid]
+            else:
+                self._write_publish(session, out.msg, out.qos, out.retain, out.sub_ids, pid, True)
+        self.drain(session)
+
+    def connection_lost(self, session, publish_will=True, reason=None):
+        """The client's connection closed (any way other than takeover)."""
+        session.conn = None
+        session.generation += 1
+        self.online -= 1
+        now = self.clock()
+        self.hooks.on_disconnect(session, reason)
+        self._reassign_shared(session)
+        will = session.will
+        if will is not None and not publish_will:
+            session.will = will = None
+        if session.expiry_interval == 0:
+            self.end_session(session)
+            return
+        if will is not None:
+            delay = min(session.will_delay, session.expiry_interval)
+            if delay <= 0:
+                self._publish_will(session)
+            else:
+                session.will_at = now + delay
+                self._schedule(session.will_at, _PUBLISH_WILL, session)
+        if session.expiry_interval != NEVER:
+            session.expires_at = now + session.expiry_interval
+            self._schedule(session.expires_at, _EXPIRE_SESSION, session)
+
+    def _publish_will(self, session):
+        msg = session.will
+        session.will = None
+        session.will_at = None
+        if msg is None:
+            return
+        hooks = self.hooks
+        if hooks.authorize_publish is not None and hooks.authorize_publish(
+                session, msg.topic, msg.qos, msg.retain) is False:
+            self.stats.denied_publish += 1
+            log.info("will of %s on %s denied by ACL", session.client_id, msg.topic)
+            return
+        msg.timestamp = time.time()
+        interval = msg.properties.get("message_expiry_interval")
+        cap = self.limits.max_message_expiry
+        if cap and (interval is None or interval > cap):
+            interval = msg.properties["message_expiry_interval"] = cap
+        if interval is not None:
+            msg.expiry = self.clock() + interval
+        log.info("publishing will of %s on %s", session.client_id, msg.topic)
+        self.publish(msg)
+
+    def end_session(self, session, publish_will=True):
+        """The session is over: publish a pending will, drop its state."""
+        if publish_will and session.will is not None:
+            self._publish_will(session)
+        session.will = None
+        for sub in session.subscriptions.values():
+            self._remove_subscription(session, sub)
+        session.subscriptions.clear()
+        session.queue.clear()
+        session.inflight.clear()
+        session.incoming_qos2.clear()
+        if self.sessions.get(session.client_id) is session:
+            del self.sessions[session.client_id]
+        self._matches.clear()
+        self.hooks.on_session_expired(session.client_id)
+
+    def _reassign_shared(self, session):
+        """Unacknowledged messages a shared group gave this session go to another member."""
+        moved = []
+        for pid, out in list(session.inflight.items()):
+            if out.group is not None and not out.released:
+                del session.inflight[pid]
+                moved.append(out)
+        if session.queue:
+            keep = [o for o in session.queue if o.group is None]
+            moved.extend(o for o in session.queue if o.group is not None)
+            session.queue.clear()
+            session.queue.extend(keep)
+        for out in moved:
+            sub = out.group.pick(exclude=session)
+            if sub is None or sub.session.conn is None:
+                # Nobody else online: keep it for this session.
+                session.queue.append(out)
+                continue
+            q = out.msg.qos if out.msg.qos < sub.qos else sub.qos
+            self._deliver(sub.session, out.msg, q, False, (sub.sub_id,) if sub.sub_id else (), out.group)
+
+    # --- inbound packets ---------------------------------------------------
+
+    def _unexpected(self, session, pkt):
+        raise MQTTError(C.PROTOCOL_ERROR, f"unexpected {C.PACKET_NAMES[pkt.TYPE]} from a client")
+
+    def _check_topic_name(self, topic):
+        if not topic:
+            raise MQTTError(C.PROTOCOL_ERROR, "empty topic name")
+        if "+" in topic or "#" in topic:
+            raise MQTTError(C.TOPIC_NAME_INVALID, f"wildcard in topic name {topic!r}")
+        if topic.count("/") >= self.max_levels:
+            raise MQTTError(C.TOPIC_NAME_INVALID, "too many topic levels")
+
+    def _new_message(self, topic, payload, qos, retain, props, cid, origin, raw=None, raw_v5=False):
+        expiry = None
+        cap = self.limits.max_message_expiry
+        interval = props.get("message_expiry_interval") if props else None
+        if cap and (interval is None or interval > cap):
+            interval = cap
+            props["message_expiry_interval"] = cap
+        if interval is not None:
+            expiry = self.clock() + interval
+        return Message(topic, payload, qos, retain, props, expiry, cid, origin, raw, raw_v5, time.time())
+
+    def handle_publish(self, session, pkt):
+        topic = pkt.topic
+        props = pkt.properties
+        raw = pkt.raw
+        if session.v5 and props:
+            if "subscription_identifier" in props:
+                raise MQTTError(C.PROTOCOL_ERROR, "PUBLISH from a client carries a subscription identifier")
+            alias = props.get("topic_alias")
+            if alias is not None:
+                raw = None
+                if not alias or alias > session.topic_alias_in_max:
+                    raise MQTTError(C.TOPIC_ALIAS_INVALID, f"topic alias {alias} out of range")
+                if topic:
+                    session.alias_in[alias] = topic
+                else:
+                    topic = session.alias_in.get(alias)
+                    if topic is None:
+                        raise MQTTError(C.PROTOCOL_ERROR, f"unknown topic alias {alias}")
+            props = message_properties(props)
+            if "message_expiry_interval" in props:
+                raw = None
+        else:
+            props = {}
+        if not topic or "+" in topic or "#" in topic:
+            self._check_topic_name(topic)
+        qos = pkt.qos
+        if qos > self.maximum_qos:
+            raise MQTTError(C.QOS_NOT_SUPPORTED, f"QoS {qos} above the maximum {self.maximum_qos}")
+        retain = pkt.retain
+        if retain:
+            raw = None
+            if not self.retain_available:
+                raise MQTTError(C.RETAIN_NOT_SUPPORTED, "retain is not supported")
+        stats = self.stats
+        stats.pub_received += 1
+        pid = pkt.packet_id
+        if qos == 2 and pid in session.incoming_qos2:
+            # A resend of a message we already hold: acknowledge again, deliver once.
+            session.conn.send(bytes((_PUBREC, 2, pid >> 8, pid & 0xFF)))
+            return
+        if qos and session.v5 and len(session.incoming_qos2) >= session.receive_max_in:
+            raise MQTTError(C.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
+
+        reason = 0
+        denied = topic[:1] == "$" and (topic.startswith("$SYS") or topic.startswith("$share"))
+        hooks = self.hooks
+        if not denied and hooks.authorize_publish is not None:
+            denied = hooks.authorize_publish(session, topic, qos, retain) is False
+        if denied:
+            stats.denied_publish += 1
+            reason = C.NOT_AUTHORIZED
+        else:
+            if self.limits.max_message_expiry or props:
+                msg = self._new_message(topic, pkt.payload, qos, retain, props, session.client_id,
+                                        session, raw, session.v5)
+            else:
+                msg = Message(topic, pkt.payload, qos, retain, props, None, session.client_id,
+                              session, raw, session.v5, time.time())
+            if not self.publish(msg) and session.v5:
+                reason = C.NO_MATCHING_SUBSCRIBERS
+        if qos == 1:
+            session.conn.send(_encode_ack(_PUBACK, pid, reason, session.v5))
+        elif qos == 2:
+            if reason < 0x80:
+                session.incoming_qos2.add(pid)
+            session.conn.send(_encode_ack(_PUBREC, pid, reason, session.v5))
+
+    def handle_pubrel(self, session, pkt):
+        pid = pkt.packet_id
+        if pid in session.incoming_qos2:
+            session.incoming_qos2.discard(pid)
+            session.conn.send(bytes((_PUBCOMP, 2, pid >> 8, pid & 0xFF)))
+        else:
+            session.conn.send(_encode_ack(_PUBCOMP, pid, C.PACKET_IDENTIFIER_NOT_FOUND, session.v5))
+
+    def handle_puback(self, session, pkt):
+        out = session.inflight.get(pkt.packet_id)
+        if out is not None and out.qos == 1:
+            del session.inflight[pkt.packet_id]
+            if session.queue:
+                self.drain(session)
+
+    def handle_pubrec(self, session, pkt):
+        pid = pkt.packet_id
+        out = session.inflight.get(pid)
+        if out is None or out.qos != 2:
+            session.conn.send(_encode_ack(0x62, pid, C.PACKET_IDENTIFIER_NOT_FOUND, session.v5))
+            return
+        if pkt.reason_code >= 0x80:
+            del session.inflight[pid]
+            if session.queue:
+                self.drain(session)
+            return
+        out.released = True
+        session.conn.send(bytes((0x62, 2, pid >> 8, pid & 0xFF)))
+
+    def handle_pubcomp(self, session, pkt):
+        out = session.inflight.get(pkt.packet_id)
+        if out is not None and out.qos == 2:
+            del session.inflight[pkt.packet_id]
+            if session.queue:
+                self.drain(session)
+
+    def handle_pingreq(self, session, pkt):
+        session.conn.send(_PINGRESP)
+
+    def handle_disconnect(self, session, pkt):
+        conn = session.conn
+        if session.v5:
+            new_expiry = pkt.properties.get("session_expiry_interval")
+            if new_expiry is not None:
+                if session.expiry_interval == 0 and new_expiry:
+                    raise MQTTError(C.PROTOCOL_ERROR, "session expiry set by DISCONNECT after 0 at CONNECT")
+                session.expiry_interval = min(new_expiry, self.limits.max_session_expiry)
+        if pkt.reason_code != C.DISCONNECT_WITH_WILL:
+            session.will = None
+        conn.clean_disconnect = True
+        conn.close()
+
+    def handle_subscribe(self, session, pkt):
+        v5 = session.v5
+        b = self.cfg.broker
+        sub_id = pkt.properties.get("subscription_identifier") if v5 else None
+        codes = []
+        retained = []
+        hooks = self.hooks
+        fail = (lambda rc: rc) if v5 else (lambda rc: 0x80)
+        for t in pkt.topics:
+            try:
+                group, flt = parse_shared(t.filter)
+                validate_topic_filter(flt, self.max_levels)
+            except TopicError:
+                codes.append(fail(C.TOPIC_FILTER_INVALID))
+                continue
+            if group is not None:
+                if t.no_local and v5:
+                    raise MQTTError(C.PROTOCOL_ERROR, "no local on a shared subscription")
+                if not b.shared_subscriptions:
+                    codes.append(fail(C.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED))
+                    continue
+            if not b.wildcard_subscriptions and ("+" in flt or "#" in flt):
+                codes.append(fail(C.WILDCARD_SUBSCRIPTIONS_NOT_SUPPORTED))
+                continue
+            if sub_id is not None and not b.subscription_identifiers:
+                codes.append(fail(C.SUBSCRIPTION_IDENTIFIERS_NOT_SUPPORTED))
+                continue
+            if hooks.authorize_subscribe is not None and \
+                    hooks.authorize_subscribe(session, t.filter, t.qos) is False:
+                self.stats.denied_subscribe += 1
+                codes.append(fail(C.NOT_AUTHORIZED))
+                continue
+            qos = t.qos if t.qos < self.maximum_qos else self.maximum_qos
+            existed = t.filter in session.subscriptions
+            sub = Subscription(flt, qos, t.no_local, t.retain_as_published, t.retain_handling,
+                               sub_id, group, session)
+            if existed:
+                self._remove_subscription(session, session.subscriptions[t.filter])
+            session.subscriptions[t.filter] = sub
+            self._add_subscription(session, sub)
+            codes.append(qos)
+            if group is None and (t.retain_handling == 0 or (t.retain_handling == 1 and not existed)):
+                retained.append(sub)
+        self._matches.clear()
+        session.conn.send(encode(Suback(pkt.packet_id, codes), session.version))
+        if retained and self.retained.count:
+            now = self.clock()
+            for sub in retained:
+                ids = (sub.sub_id,) if sub.sub_id else ()
+                for msg in self.retained.match(sub.filter):
+                    if msg.expired(now):
+                        self.retained.delete(msg.topic)
+                        continue
+                    self._deliver(session, msg, msg.qos if msg.qos < sub.qos else sub.qos, True, ids)
+
+    def _add_subscription(self, session, sub):
+        if sub.group is None:
+            self.subs.insert(sub.filter, session.client_id, sub)
+            return
+        groups = self.shared.get(sub.filter, sub.group)
+        if groups is None:
+            groups = SharedGroup(sub.group, sub.filter)
+            self.shared.insert(sub.filter, sub.group, groups)
+        groups.members.append(sub)
+
+    def _remove_subscription(self, session, sub):
+        if sub.group is None:
+            self.subs.remove(sub.filter, session.client_id)
+            return
+        group = self.shared.get(sub.filter, sub.group)
+        if group is not None:
+            group.members = [m for m in group.members if m is not sub]
+            if not group.members:
+                self.shared.remove(sub.filter, sub.group)
+
+    def handle_unsubscribe(self, session, pkt):
+        codes = []
+        for f in pkt.filters:
+            sub = session.subscriptions.pop(f, None)
+            if sub is None:
+                codes.append(C.NO_SUBSCRIPTION_EXISTED)
+            else:
+                self._remove_subscription(session, sub)
+                codes.append(0)
+        self._matches.clear()
+        session.conn.send(encode(Unsuback(pkt.packet_id, codes if session.v5 else ()), session.version))
+
+    # --- routing -----------------------------------------------------------
+
+    def publish(self, msg):
+        """The one entry point of every accepted message. Returns True if anyone matched."""
+        hooks = self.hooks
+        if hooks.on_publish is not None:
+            msg = hooks.on_publish(msg.origin, msg)
+            if msg is None:
+                return False
+        if msg.retain:
+            if msg.payload:
+                self.retained.set(msg.topic, msg)
+            else:
+                self.retained.delete(msg.topic)
+        if self.store is not None:
+            self.store.append(msg)
+        return self.route(msg)
+
+    def _match(self, topic):
+        agg = {}
+        for values in self.subs.match(topic):
+            for sub in values.values():
+                s = sub.session
+                e = agg.get(s)
+                if e is None:
+                    agg[s] = [sub.qos, sub.retain_as_published, [sub.sub_id] if sub.sub_id else [], sub.no_local]
+                else:
+                    if sub.qos > e[0]:
+                        e[0] = sub.qos
+                    e[1] = e[1] or sub.retain_as_published
+                    if sub.sub_id:
+                        e[2].append(sub.sub_id)
+                    e[3] = e[3] and sub.no_local
+        normal = tuple((s, q, rap, tuple(sorted(ids)), nl) for s, (q, rap, ids, nl) in agg.items())
+        groups = tuple(g for values in self.shared.match(topic) for g in values.values())
+        result = (normal, groups)
+        if len(self._matches) > 100_000:
+            self._matches.clear()
+        self._matches[topic] = result
+        return result
+
+    def route(self, msg):
+        """Deliver `msg` to every matching session; True if there was at least one."""
+        topic = msg.topic
+        hit = self._matches.get(topic)
+        if hit is None:
+            hit = self._match(topic)
+        normal, groups = hit
+        if not normal and not groups:
+            return False
+        mqos = msg.qos
+        origin = msg.origin
+        deliver = self._deliver
+        for session, qos, rap, ids, no_local in normal:
+            if no_local and session is origin:
+                continue
+            deliver(session, msg, mqos if mqos < qos else qos, msg.retain and rap, ids)
+        for group in groups:
+            sub = group.pick()
+            if sub is not None:
+                deliver(sub.session, msg, mqos if mqos < sub.qos else sub.qos,
+                        msg.retain and sub.retain_as_published,
+                        (sub.sub_id,) if sub.sub_id else (), group)
+        return True
+
+    def _deliver(self, session, msg, qos, retain, sub_ids, group=None):
+        hooks = self.hooks
+        if hooks.authorize_deliver is not None and hooks.authorize_deliver(session, msg) is False:
+            return
+        conn = session.conn
+        if not qos:
+            if conn is None:
+                if self.queue_qos0 and session.expiry_interval:
+                    self._enqueue(session, Outgoing(msg, 0, retain, sub_ids, group))
+                return
+            if conn.congested:
+                self.stats.pub_dropped += 1
+                session.dropped += 1
+                return
+            if session.alias_out_max or session.max_packet_out or msg.expiry is not None or \
+                    (sub_ids and session.v5):
+                self._write_publish(session, msg, 0, retain, sub_ids, 0, False)
+                return
+            conn.send(msg.encode_qos0(session.v5, retain))
+            self.stats.pub_sent += 1
+            return
+        out = Outgoing(msg, qos, retain, sub_ids, group)
+        if conn is not None and not session.queue and len(session.inflight) < session.send_quota \
+                and not conn.congested:
+            pid = session.allocate_pid()
+            session.inflight[pid] = out
+            out.packet_id = pid
+            if not self._write_publish(session, msg, qos, retain, sub_ids, pid, False):
+                del session.inflight[pid]
+        else:
+            self._enqueue(session, out)
+
+    def _enqueue(self, session, out):
+        if len(session.queue) >= self.max_queued:
+            session.dropped += 1
+            self.stats.pub_dropped += 1
+            return
+        session.queue.append(out)
+
+    def drain(self, session):
+        """Move queued messages into the window while the client can take them."""
+        conn = session.conn
+        queue = session.queue
+        inflight = session.inflight
+        now = self.clock()
+        while queue and conn is not None and not conn.congested:
+            out = queue[0]
+            msg = out.msg
+            if msg.expiry is not None and now >= msg.expiry:
+                queue.popleft()
+                self.stats.expired += 1
+                continue
+            if not out.qos:
+                queue.popleft()
+                self._write_publish(session, msg, 0, out.retain, out.sub_ids, 0, False)
+                continue
+            if len(inflight) >= session.send_quota:
+                break
+            queue.popleft()
+            pid = session.allocate_pid()
+            inflight[pid] = out
+            out.packet_id = pid
+            if not self._write_publish(session, msg, out.qos, out.retain, out.sub_ids, pid, False):
+                del inflight[pid]
+
+    def _write_publish(self, session, msg, qos, retain, sub_ids, pid, dup):
+        """Encode and send one PUBLISH (general path); False if it had to be dropped."""
+        v5 = session.v5
+        now = self.clock()
+        if msg.expiry is not None and now >= msg.expiry:
+            self.stats.expired += 1
+            return False
+        ids = sub_ids if v5 else ()
+        alias = None
+        alias_only = False
+        if session.alias_out_max:
+            alias = session.alias_out.get(msg.topic)
+            if alias is not None:
+                alias_only = True
+            elif len(session.alias_out) < session.alias_out_max:
+                alias = len(session.alias_out) + 1
+                session.alias_out[msg.topic] = alias
+        data = msg.encode(v5, qos, retain, pid, dup, ids, now, alias, alias_only)
+        if session.max_packet_out and len(data) > session.max_packet_out:
+            self.stats.pub_dropped += 1
+            session.dropped += 1
+            if alias is not None and not alias_only:
+                del session.alias_out[msg.topic]
+            return False
+        session.conn.send(data)
+        self.stats.pub_sent += 1
+        return True
+
+    # --- broker-side API ---------------------------------------------------
+
+    def publish_internal(self, topic, payload, qos=0, retain=False, properties=None):
+        """Publish as the broker itself ($SYS, the embedding application)."""
+        props = dict(properties) if properties else {}
+        msg = self._new_message(topic, payload, qos, retain, props, "", None)
+        return self.publish(msg)
+
+    def disconnect_all(self, reason=C.SERVER_SHUTTING_DOWN):
+        for session in list(self.sessions.values()):
+            if session.conn is not None:
+                session.conn.close(reason)
+
+    def subscription_count(self):
+        return self.subs.count + sum(len(g.members) for _, _, g in self.shared.items())

@@ -1,0 +1,109 @@
+"""Session state: what the broker keeps for one client id across connections.
+
+Pure data plus the small amount of bookkeeping that belongs to it (packet id
+allocation, the outgoing window). The router drives it; no I/O happens here.
+"""
+
+from collections import deque
+
+NEVER = 0xFFFFFFFF  # session expiry interval meaning "does not expire"
+
+
+class Subscription:
+    """One subscription of one session; `group` is the share name for $share filters."""
+
+    __slots__ = ("filter", "qos", "no_local", "retain_as_published", "retain_handling",
+                 "sub_id", "group", "session")
+
+    def __init__(self, filter, qos, no_local=False, retain_as_published=False, retain_handling=0,
+                 sub_id=None, group=None, session=None):
+        self.filter = filter
+        self.qos = qos
+        self.no_local = no_local
+        self.retain_as_published = retain_as_published
+        self.retain_handling = retain_handling
+        self.sub_id = sub_id
+        self.group = group
+        self.session = session
+
+    @property
+    def full_filter(self):
+        return f"$share/{self.group}/{self.filter}" if self.group else self.filter
+
+
+class Outgoing:
+    """A QoS 1/2 message sent (or about to be sent) to the session's client."""
+
+    __slots__ = ("msg", "qos", "retain", "sub_ids", "packet_id", "released", "group")
+
+    def __init__(self, msg, qos, retain, sub_ids=(), group=None):
+        self.msg = msg
+        self.qos = qos
+        self.retain = retain
+        self.sub_ids = sub_ids
+        self.packet_id = 0
+        # QoS 2: PUBREC received, PUBREL sent; the client owns the message now.
+        self.released = False
+        # The SharedGroup it was chosen by, so it can go to another member if unacknowledged.
+        self.group = group
+
+
+class Session:
+    __slots__ = (
+        "client_id", "version", "v5", "conn", "subscriptions", "expiry_interval",
+        "expires_at", "will", "will_delay", "will_at", "inflight", "queue", "incoming_qos2", "next_pid",
+        "send_quota", "max_packet_out", "alias_in", "alias_out", "alias_out_max",
+        "topic_alias_in_max", "receive_max_in", "username", "address", "connected_at",
+        "dropped", "generation", "request_problem_info", "listener",
+    )
+
+    def __init__(self, client_id):
+        self.client_id = client_id
+        self.version = 4
+        self.v5 = False
+        self.conn = None  # the Connection while the client is online
+        self.subscriptions = {}  # full filter -> Subscription
+        self.expiry_interval = 0  # seconds after disconnect; NEVER = keep forever
+        self.expires_at = None  # monotonic deadline while offline
+        self.will = None  # Message to publish if the connection fails
+        self.will_delay = 0  # will delay interval (s) from CONNECT
+        self.will_at = None  # monotonic deadline of a delayed will
+        self.inflight = {}  # packet id -> Outgoing, in send order
+        self.queue = deque()  # Outgoing waiting for a window slot or for the client
+        self.incoming_qos2 = set()  # packet ids PUBRECed, waiting for PUBREL
+        self.next_pid = 1
+        # Per-connection limits, reset on every CONNECT.
+        self.send_quota = 65535
+        self.max_packet_out = 0  # 0: no limit announced by the client
+        self.alias_in = {}
+        self.alias_out = {}
+        self.alias_out_max = 0
+        self.topic_alias_in_max = 0
+        self.receive_max_in = 65535
+        self.username = None
+        self.address = None
+        self.connected_at = 0.0
+        self.dropped = 0
+        self.generation = 0  # bumped on every attach; stale timers compare it
+        self.request_problem_info = True
+        self.listener = None
+
+    @property
+    def online(self):
+        return self.conn is not None
+
+    def allocate_pid(self):
+        """Next free packet identifier for an outgoing QoS > 0 PUBLISH."""
+        pid = self.next_pid
+        inflight = self.inflight
+        for _ in range(65535):
+            if pid not in inflight:
+                break
+            pid = pid + 1 if pid < 65535 else 1
+        else:
+            raise RuntimeError("no free packet identifier")
+        self.next_pid = pid + 1 if pid < 65535 else 1
+        return pid
+
+    def __repr__(self):
+        return f"Session({self.client_id!r}, online={self.online}, subs={len(self.subscriptions)})"

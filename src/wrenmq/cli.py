@@ -1,0 +1,122 @@
+"""The `wrenmq` command line."""
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from . import __version__
+from .config import ConfigError, ListenerConfig, load
+
+log = logging.getLogger("wrenmq")
+
+
+def _setup_logging(level):
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _install_uvloop():
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+def _serve(args):
+    try:
+        cfg = load(args.config) if args.config else load()
+    except ConfigError as e:
+        print(f"wrenmq: {e}", file=sys.stderr)
+        return 2
+    if args.bind is not None or args.port is not None:
+        first = cfg.listener[0] if cfg.listener else ListenerConfig()
+        if args.bind is not None:
+            first.bind = args.bind
+        if args.port is not None:
+            first.port = args.port
+        cfg.listener[0] = first
+    if args.log_level:
+        cfg.logging.level = args.log_level
+    if args.data_dir is not None:
+        storage = getattr(cfg, "storage", None)
+        if storage is not None:
+            storage.data_dir = args.data_dir
+    _setup_logging(cfg.logging.level)
+    uv = _install_uvloop()
+    log.info("wrenmq %s starting (config: %s, event loop: %s)", __version__, cfg.source,
+             "uvloop" if uv else "asyncio")
+    return asyncio.run(_run(cfg))
+
+
+async def _run(cfg):
+    from .broker.broker import Broker
+
+    broker = Broker(cfg)
+    loop = asyncio.get_running_loop()
+    try:
+        await broker.start()
+    except OSError as e:
+        log.error("cannot start: %s", e)
+        return 1
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if hasattr(signal, "SIGHUP"):
+        loop.add_signal_handler(signal.SIGHUP, broker.hooks.reload)
+    await stop.wait()
+    log.info("shutting down")
+    await broker.stop()
+    return 0
+
+
+def _config_check(args):
+    try:
+        cfg = load(args.file)
+    except ConfigError as e:
+        print(f"wrenmq: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.file}: OK ({len(cfg.listener)} listener(s))")
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="wrenmq", description="MQTT broker with a durable commit log")
+    p.add_argument("--version", action="version", version=f"wrenmq {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the broker")
+    s.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    s.add_argument("--bind", metavar="ADDR", help="address of the first listener")
+    s.add_argument("--port", metavar="N", type=int, help="port of the first listener")
+    s.add_argument("--data-dir", metavar="DIR", help="where persistent state lives")
+    s.add_argument("--log-level", metavar="LEVEL",
+                   choices=["debug", "info", "warning", "error", "critical"])
+    s.set_defaults(func=_serve)
+
+    c = sub.add_parser("config", help="configuration tools")
+    csub = c.add_subparsers(dest="config_command", metavar="ACTION")
+    cc = csub.add_parser("check", help="validate a configuration file")
+    cc.add_argument("file")
+    cc.set_defaults(func=_config_check)
+    return p
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    return func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Configuration: TOML in, validated dataclasses out.
+
+Every key is declared here once, with its type, default, bounds and a one-line
+description (docs/CONFIG.md lists the same keys). Loading rejects unknown keys
+and wrong types with a single line naming the file, the key and what was
+expected, so a typo never starts a broker with a silently ignored setting.
+"""
+
+import dataclasses
+import ipaddress
+import tomllib
+from dataclasses import dataclass, field
+from typing import get_args, get_origin
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _key(default, doc, lo=None, hi=None, choices=None):
+    meta = {"doc": doc, "lo": lo, "hi": hi, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ListenerConfig:
+    bind: str = _key("127.0.0.1", "Address to listen on; 0.0.0.0 or :: for all interfaces.")
+    port: int = _key(1883, "TCP port; 0 picks a free port.", 0, 65535)
+    name: str = _key("", "Name used in logs and $SYS; defaults to bind:port.")
+
+    @property
+    def loopback_only(self):
+        try:
+            return ipaddress.ip_address(self.bind).is_loopback
+        except ValueError:
+            return self.bind == "localhost"
+
+
+@dataclass
+class BrokerSection:
+    node_id: str = _key("", "Name of this node (logs, $SYS, log partitions); defaults to the host name.")
+    maximum_qos: int = _key(2, "Highest QoS granted to subscriptions and accepted on PUBLISH.", 0, 2)
+    retain_available: bool = _key(True, "Whether retained messages are supported.")
+    wildcard_subscriptions: bool = _key(True, "Whether '+' and '#' filters are allowed.")
+    shared_subscriptions: bool = _key(True, "Whether $share/<group>/<filter> is allowed.")
+    subscription_identifiers: bool = _key(True, "Whether MQTT 5 subscription identifiers are allowed.")
+    queue_qos0_messages: bool = _key(False, "Queue QoS 0 messages for offline persistent sessions.")
+
+
+@dataclass
+class LimitsSection:
+    max_keepalive: int = _key(65535, "Largest keepalive (s) accepted; 5.0 clients asking more "
+                              "(or 0) get this as server keep alive, 3.1.1 clients are refused.", 1, 65535)
+    max_packet_size: int = _key(1048576, "Largest packet (bytes) accepted from a client.", 64, 268435460)
+    receive_maximum: int = _key(1024, "In-flight QoS 1/2 PUBLISHes a 5.0 client may send unacknowledged.", 1, 65535)
+    max_inflight: int = _key(1024, "In-flight QoS 1/2 messages the broker sends to one client.", 1, 65535)
+    max_queued_messages: int = _key(10000, "Messages queued per session beyond the in-flight window; "
+                                    "further messages are dropped and counted.", 0, 10_000_000)
+    max_connections: int = _key(100000, "Simultaneous client connections; 0 = no limit.", 0)
+    topic_alias_maximum: int = _key(64, "Topic aliases a 5.0 client may use towards the broker.", 0, 65535)
+    max_session_expiry: int = _key(4294967295, "Cap (s) on session expiry; 4294967295 = no cap.", 0, 4294967295)
+    max_message_expiry: int = _key(0, "Cap (s) on message expiry, applied to every message; 0 = no cap.", 0, 4294967295)
+    connect_timeout: float = _key(10.0, "Seconds a new connection has to send CONNECT.", 0.1, 3600)
+    max_topic_levels: int = _key(128, "Levels allowed in a topic name or filter.", 1, 65535)
+    write_buffer_high: int = _key(1048576, "Bytes buffered for one slow client before QoS 0 is dropped "
+                                  "and its reading paused.", 4096)
+
+
+@dataclass
+class AuthSection:
+    allow_anonymous: bool = _key(True, "Accept clients that send no user name.")
+    password_file: str = _key("", "Mosquitto-format password file.")
+    acl_file: str = _key("", "Mosquitto-format ACL file.")
+
+
+@dataclass
+class SysSection:
+    interval: float = _key(10.0, "Seconds between $SYS updates; 0 disables them.", 0)
+
+
+@dataclass
+class LoggingSection:
+    level: str = _key("info", "Log level.", choices=("debug", "info", "warning", "error", "critical"))
+
+
+@dataclass
+class Config:
+    listener: list = _key([], "Listeners ([[listener]] tables); one on 127.0.0.1:1883 when none is given.")
+    broker: BrokerSection = field(default_factory=BrokerSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
+    auth: AuthSection = field(default_factory=AuthSection)
+    sys: SysSection = field(default_factory=SysSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    source: str = field(default="<defaults>", metadata={"internal": True})
+
+    def __post_init__(self):
+        if not self.listener:
+            self.listener = [ListenerConfig()]
+
+
+_LIST_TYPES = {"listener": ListenerConfig}
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _describe(value):
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _check_value(src, path, f, value):
+    typ = f.type
+    meta = f.metadata
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if typ is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ConfigError(f"{src}: {path}: expected an integer, got {_describe(value)}")
+    if typ is not int and not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{src}: {path}: expected {_TYPE_NAMES.get(typ, typ)}, got {_describe(value)}")
+    lo, hi, choices = meta.get("lo"), meta.get("hi"), meta.get("choices")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{src}: {path}: expected a value >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{src}: {path}: expected a value <= {hi}, got {value}")
+    if choices and value not in choices:
+        raise ConfigError(f"{src}: {path}: expected one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _build(cls, data, src, prefix):
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        f = fields.get(key)
+        if f is None:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"{src}: {path}: unknown key (known here: {known})")
+        if key in _LIST_TYPES and cls is Config:
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                raise ConfigError(f"{src}: {path}: expected an array of tables ([[{key}]]), got {_describe(value)}")
+            kwargs[key] = [_build(_LIST_TYPES[key], v, src, f"{key}[{i}].") for i, v in enumerate(value)]
+        elif dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{src}: {path}: expected a table ([{key}]), got {_describe(value)}")
+            kwargs[key] = _build(f.default_factory, value, src, f"{key}.")
+        elif get_origin(f.type) is list or f.type is list:
+            item = (get_args(f.type) or (str,))[0]
+            if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+                raise ConfigError(f"{src}: {path}: expected an array of {_TYPE_NAMES.get(item, item)}s, got {_describe(value)}")
+            kwargs[key] = list(value)
+        else:
+            kwargs[key] = _check_value(src, path, f, value)
+    return cls(**kwargs)
+
+
+def validate(cfg):
+    """Cross-key checks that types alone cannot express."""
+    src = cfg.source
+    seen = set()
+    for i, lst in enumerate(cfg.listener):
+        key = (lst.bind, lst.port)
+        if lst.port and key in seen:
+            raise ConfigError(f"{src}: listener[{i}]: duplicate listener {lst.bind}:{lst.port}")
+        seen.add(key)
+    return cfg
+
+
+def load(path=None, text=None):
+    """Load a config file (or TOML text); no argument gives the embedded defaults."""
+    if path is None and text is None:
+        return Config()
+    src = str(path) if path is not None else "<string>"
+    try:
+        if text is None:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        else:
+            data = tomllib.loads(text)
+    except FileNotFoundError:
+        raise ConfigError(f"{src}: file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{src}: not valid TOML: {e}") from None
+    cfg = _build(Config, data, src, "")
+    cfg.source = src
+    return validate(cfg)
+
+
+def iter_keys():
+    """Yield (section, key, type name, default, doc) for every setting (docs/CONFIG.md)."""
+    sections = [("listener", ListenerConfig)] + [
+        (f.name, f.default_factory) for f in dataclasses.fields(Config)
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)]
+    for name, cls in sections:
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            yield name, f.name, getattr(f.type, "__name__", str(f.type)), default, f.metadata.get("doc", "")

@@ -86,6 +86,12 @@ def _config_check(args):
     return 0
 
 
+def _config_docs(args):
+    from .config import config_markdown
+    sys.stdout.write(config_markdown())
+    return 0
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="wrenmq", description="MQTT broker with a durable commit log")
     p.add_argument("--version", action="version", version=f"wrenmq {__version__}")
@@ -105,6 +111,8 @@ def build_parser():
     cc = csub.add_parser("check", help="validate a configuration file")
     cc.add_argument("file")
     cc.set_defaults(func=_config_check)
+    cd = csub.add_parser("docs", help="print every setting as Markdown (docs/CONFIG.md)")
+    cd.set_defaults(func=_config_docs)
     return p
 
 

@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         brokers["mosquitto"] = Mosquitto(mbin, conf.resolve(), log_dir, root)
     if "wrenmq" in names:
         brokers["wrenmq"] = Wrenmq(find_wrenmq(a, root), a.wrenmq_port, log_dir, root,
-                                   config=a.wrenmq_config, extra_args=shlex.split(a.wrenmq_args),
+                                   config=str(Path(a.wrenmq_config).resolve()) if a.wrenmq_config else None,
+                                   extra_args=shlex.split(a.wrenmq_args),
                                    data_dir=not a.no_data_dir)
     if len({b.port for b in brokers.values()}) < len(brokers):
         log("bench: Mosquitto and wrenmq would share a port; pick another --wrenmq-port")

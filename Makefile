@@ -1,0 +1,97 @@
+# wrenmq build system. Every target works on a fresh clone: it creates .venv,
+# installs what it needs (Python packages, Debian packages, mqload) and runs.
+#
+#   make run   [ARGS="--port 1884"]        start the broker (127.0.0.1:1883 by default)
+#   make test  [PYTEST_ARGS="-k foo -x"]   install test deps, run the suite
+#   make bench [ARGS="--repeat 5"]         full benchmark vs Mosquitto
+#   make bench-quick [ARGS="--only mosquitto"]
+#   make clean                             remove .venv, .bench and build caches (not data)
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+
+ARGS        ?=
+PYTEST_ARGS ?=
+
+# Debian packages the tests need, as CMD:PKG (the package is installed only if
+# CMD is missing). Add e.g. mosquitto:mosquitto, etcd:etcd-server,
+# java:openjdk-17-jre-headless here as the suite grows.
+TEST_DEBIAN_PKGS := \
+	mosquitto_sub:mosquitto-clients
+
+# npm packages the tests need (hook, empty for now), installed into $(NPM_PREFIX);
+# their binaries are put on PATH for pytest.
+TEST_NPM_PKGS :=
+NPM_PREFIX    := $(VENV)/npm
+
+# Debian packages the benchmark needs.
+BENCH_DEBIAN_PKGS := \
+	mosquitto:mosquitto
+
+ENSURE_DEB := bash scripts/ensure-debian-packages.sh
+
+.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-deps clean
+
+help:
+	@sed -n '4,9p' Makefile | sed 's/^# \{0,1\}//'
+
+# --- virtualenv --------------------------------------------------------------
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Re-install only when pyproject.toml changed (stamp files live in .venv).
+$(VENV)/.stamp-install: pyproject.toml | $(PY)
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.stamp-test: pyproject.toml | $(PY)
+	$(PIP) install -e '.[test]'
+	touch $@ $(VENV)/.stamp-install
+
+# --- run ---------------------------------------------------------------------
+
+run: $(VENV)/.stamp-install
+	exec $(VENV)/bin/wrenmq serve $(ARGS)
+
+# --- test --------------------------------------------------------------------
+
+debian-test-deps:
+	@$(ENSURE_DEB) $(TEST_DEBIAN_PKGS)
+
+npm-test-deps: | $(PY)
+ifneq ($(strip $(TEST_NPM_PKGS)),)
+	@if [ "$$(cat $(NPM_PREFIX)/.stamp 2>/dev/null)" != "$(strip $(TEST_NPM_PKGS))" ]; then \
+		$(ENSURE_DEB) npm:npm && \
+		npm install --prefix $(NPM_PREFIX) --no-audit --no-fund $(TEST_NPM_PKGS) && \
+		echo "$(strip $(TEST_NPM_PKGS))" > $(NPM_PREFIX)/.stamp; \
+	fi
+endif
+
+test-deps: $(VENV)/.stamp-test debian-test-deps npm-test-deps
+
+test: test-deps
+	PATH="$(abspath $(NPM_PREFIX))/node_modules/.bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+
+# --- bench -------------------------------------------------------------------
+
+bench-deps: $(VENV)/.stamp-install
+	@$(ENSURE_DEB) $(BENCH_DEBIAN_PKGS)
+	bash scripts/build-mqload.sh
+
+bench: bench-deps
+	$(PY) -m wrenmq.bench $(ARGS)
+
+bench-quick: bench-deps
+	$(PY) -m wrenmq.bench --quick $(ARGS)
+
+# --- clean -------------------------------------------------------------------
+
+clean:
+	rm -rf $(VENV) .bench build dist .pytest_cache .hypothesis src/*.egg-info
+	find src tests -name __pycache__ -type d -prune -exec rm -rf {} + 2>/dev/null || true

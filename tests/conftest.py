@@ -34,6 +34,8 @@ class RunningBroker:
 
     def __init__(self, config_text="", hooks=()):
         text = "[[listener]]\nbind = \"127.0.0.1\"\nport = 0\n" + config_text
+        if "[storage]" not in config_text:
+            text += "\n[storage]\nmode = \"memory\"\n"
         self.config = load(text=text)
         self.hooks = hooks
         self.loop = None

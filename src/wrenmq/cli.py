@@ -45,9 +45,7 @@ def _serve(args):
     if args.log_level:
         cfg.logging.level = args.log_level
     if args.data_dir is not None:
-        storage = getattr(cfg, "storage", None)
-        if storage is not None:
-            storage.data_dir = args.data_dir
+        cfg.storage.data_dir = args.data_dir
     _setup_logging(cfg.logging.level)
     uv = _install_uvloop()
     log.info("wrenmq %s starting (config: %s, event loop: %s)", __version__, cfg.source,
@@ -70,10 +68,13 @@ async def _run(cfg):
         loop.add_signal_handler(sig, stop.set)
     if hasattr(signal, "SIGHUP"):
         loop.add_signal_handler(signal.SIGHUP, broker.hooks.reload)
-    await stop.wait()
+    waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(broker.serve_forever())}
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
     log.info("shutting down")
     await broker.stop()
-    return 0
+    return 1 if broker.failed is not None else 0
 
 
 def _config_check(args):

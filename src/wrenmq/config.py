@@ -76,6 +76,32 @@ class AuthSection:
 
 
 @dataclass
+class StorageSection:
+    mode: str = _key("disk", "\"disk\": commit log and session state under data_dir; \"memory\": "
+                     "nothing survives a restart (tests, embedding).", choices=("disk", "memory"))
+    data_dir: str = _key("./data", "Where the commit log (log/) and the state database (state.db) live.")
+    fsync: str = _key("always", "\"always\": PUBACK/PUBREC/SUBACK leave only after what they confirm is "
+                      "fsynced; \"interval\": fsync every fsync_interval_ms (a crash of the machine, not "
+                      "of the broker, can lose that window); \"never\": leave it to the OS.",
+                      choices=("always", "interval", "never"))
+    fsync_interval_ms: int = _key(100, "Period of fsync under fsync = \"interval\".", 1, 60000)
+    checkpoint_interval_ms: int = _key(1000, "How often session cursors are saved (a crash redelivers "
+                                       "at most this much QoS 1 traffic, never loses any).", 10, 600000)
+
+
+@dataclass
+class LogSection:
+    enabled: bool = _key(True, "Record accepted PUBLISHes in the commit log.")
+    topics: list = _key(["#"], "MQTT filters of the topics recorded ($SYS is never recorded).")
+    segment_bytes: int = _key(67108864, "Size at which a new segment file is started.", 4096)
+    index_interval_bytes: int = _key(4096, "Bytes of log between two sparse index entries.", 64)
+    retention_bytes: int = _key(0, "Delete the oldest segments while the log is larger (0 = no size limit).", 0)
+    retention_hours: float = _key(168.0, "Delete segments whose newest record is older (0 = keep forever).", 0)
+    retention_hard_bytes: int = _key(0, "Above this size segments go even if persistent sessions still "
+                                     "need them (the loss is counted); 0 = never.", 0)
+
+
+@dataclass
 class SysSection:
     interval: float = _key(10.0, "Seconds between $SYS updates; 0 disables them.", 0)
 
@@ -92,6 +118,8 @@ class Config:
     limits: LimitsSection = field(default_factory=LimitsSection)
     auth: AuthSection = field(default_factory=AuthSection)
     sys: SysSection = field(default_factory=SysSection)
+    storage: StorageSection = field(default_factory=StorageSection)
+    log: LogSection = field(default_factory=LogSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     source: str = field(default="<defaults>", metadata={"internal": True})
 
@@ -169,6 +197,12 @@ def validate(cfg):
         if lst.port and key in seen:
             raise ConfigError(f"{src}: listener[{i}]: duplicate listener {lst.bind}:{lst.port}")
         seen.add(key)
+    from .broker.topics import TopicError, validate_topic_filter
+    for f in cfg.log.topics:
+        try:
+            validate_topic_filter(f)
+        except TopicError as e:
+            raise ConfigError(f"{src}: log.topics: {f!r} is not a valid topic filter ({e})") from None
     return cfg
 
 

@@ -6,6 +6,7 @@
 """
 
 import asyncio
+import collections
 import logging
 import socket
 
@@ -13,6 +14,7 @@ from ..config import Config
 from ..mqtt import constants as C
 from .connection import Connection
 from .hooks import HookChain
+from .persistence import Persistence
 from .router import Router
 from .sys import SysTopics
 
@@ -37,6 +39,11 @@ class Broker:
         self._tasks = set()
         self._stopped = None
         self.running = False
+        self.store = None
+        self.failed = None
+        # Output held until the epoch that produced it is durable: [epoch id, [(conn, bytes)]].
+        self._held = collections.deque()
+        self._checkpoint_handle = None
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -44,6 +51,8 @@ class Broker:
         self.loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         self.router.on_timer = self._on_timer
+        if self.config.storage.mode == "disk":
+            self._open_store()
         for lst in self.config.listener:
             server = await self.loop.create_server(
                 lambda lst=lst: Connection(self, lst), lst.bind, lst.port, backlog=4096,
@@ -59,6 +68,21 @@ class Broker:
             self._publish_sys()
         return self
 
+    def _open_store(self):
+        from ..store.store import Store
+
+        store = Store(self.config, on_durable=self._on_durable, on_error=self._on_store_error)
+        store.on_pending = self._schedule_flush
+        self.store = store
+        persist = Persistence(self.router, store)
+        self.router.persist = persist
+        persist.restore()
+        store.start(self.loop)
+        log.info("storage: %s (node %s, fsync %s, log %s at offset %d)", store.data_dir, store.node_id,
+                 store.fsync, "on" if store.log is not None else "off", store.next_offset)
+        self._checkpoint_handle = self.loop.call_later(
+            self.config.storage.checkpoint_interval_ms / 1000.0, self._checkpoint)
+
     async def stop(self):
         """Stop accepting, tell 5.0 clients 0x8B (server shutting down), close everything."""
         if not self.running:
@@ -66,19 +90,22 @@ class Broker:
         self.running = False
         for server in self._servers:
             server.close()
-        if self._sys_handle is not None:
-            self._sys_handle.cancel()
-        if self._timer is not None:
-            self._timer.cancel()
+        for h in (self._sys_handle, self._timer, self._checkpoint_handle):
+            if h is not None:
+                h.cancel()
         for conn in list(self.connections):
             conn.close(C.SERVER_SHUTTING_DOWN)
         self._flush()
-        for _ in range(50):
-            if not self.connections:
+        for _ in range(100):
+            if not self.connections and not self._held:
                 break
             await asyncio.sleep(0.02)
         for conn in list(self.connections):
             conn.abort()
+        if self.store is not None:
+            if self.failed is None:
+                self.router.persist.checkpoint(everything=True)
+            self.store.close()
         for task in list(self._tasks):
             task.cancel()
         for server in self._servers:
@@ -111,14 +138,71 @@ class Broker:
             self._flush_scheduled = True
             self.loop.call_soon(self._flush)
 
+    def _schedule_flush(self):
+        if not self._flush_scheduled and self.loop is not None:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def holding(self):
+        """True while output must wait for the store (so closing must wait too)."""
+        store = self.store
+        return bool(self._held) or (store is not None and store.must_hold)
+
     def _flush(self):
+        """End of a loop turn: seal the store's epoch and write (or hold) every dirty connection."""
         self._flush_scheduled = False
         dirty = self._dirty
-        if not dirty:
-            return
         self._dirty = []
+        store = self.store
+        if store is not None:
+            hold = store.must_hold
+            eid = store.seal() if store.pending else 0
+            if hold or (self._held and dirty):
+                self._hold(eid or store.last_sealed, dirty)
+                return
         for conn in dirty:
             conn.flush()
+
+    def _hold(self, eid, conns):
+        group = []
+        for conn in conns:
+            data = conn.take_output()
+            if data:
+                group.append((conn, data))
+            if conn.close_pending:
+                conn.close_pending = False
+                group.append((conn, None))
+        if self._held and self._held[-1][0] == eid:
+            self._held[-1][1].extend(group)
+        else:
+            self._held.append([eid, group])
+
+    def _on_durable(self, eid):
+        """The store made epochs up to `eid` durable: release what they were holding."""
+        held = self._held
+        while held and held[0][0] <= eid:
+            _, group = held.popleft()
+            for conn, data in group:
+                conn.write_now(data)
+
+    def _on_store_error(self, exc):
+        """The disk failed us: nothing held may be sent (it was never made durable). Stop."""
+        self.failed = exc
+        self._held.clear()
+        log.critical("stopping: the store can no longer make messages durable (%s)", exc)
+        if self.running:
+            self.spawn(self.stop())
+
+    def _checkpoint(self):
+        self._checkpoint_handle = None
+        if not self.running or self.failed is not None:
+            return
+        try:
+            self.router.persist.checkpoint()
+        except Exception:
+            log.exception("checkpoint failed")
+        self._checkpoint_handle = self.loop.call_later(
+            self.config.storage.checkpoint_interval_ms / 1000.0, self._checkpoint)
 
     def spawn(self, coro):
         """Run a coroutine for one connection (authentication); kept so it can be cancelled."""
@@ -153,7 +237,20 @@ class Broker:
 
     def extra_sys_values(self):
         """More $SYS values from parts that plug in (commit log, cluster)."""
-        return {}
+        store = self.store
+        if store is None:
+            return {}
+        values = {
+            "$SYS/broker/log/end_offset": store.next_offset,
+            "$SYS/broker/log/start_offset": store.start_offset,
+            "$SYS/broker/log/appended": store.appended,
+            "$SYS/broker/log/bytes_appended": store.bytes_appended,
+            "$SYS/broker/log/retention/lost": store.lost_to_retention,
+        }
+        if store.log is not None:
+            values["$SYS/broker/log/segments"] = len(store.log.segments)
+            values["$SYS/broker/log/truncated_bytes"] = store.log.truncated_bytes
+        return values
 
     # --- embedding API ---------------------------------------------------------
 

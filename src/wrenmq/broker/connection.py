@@ -28,6 +28,7 @@ class Connection(asyncio.Protocol):
         "broker", "router", "listener", "listener_name", "transport", "decoder", "session",
         "version", "_out", "congested", "closing", "address", "keepalive", "_timer", "_last_rx",
         "_pending", "clean_disconnect", "state", "_auth_method", "_connect", "_reason",
+        "close_pending",
     )
 
     def __init__(self, broker, listener):
@@ -52,6 +53,7 @@ class Connection(asyncio.Protocol):
         self._auth_method = None
         self._connect = None
         self._reason = None
+        self.close_pending = False  # close once held output has been written
 
     # --- asyncio callbacks -------------------------------------------------
 
@@ -144,15 +146,33 @@ class Connection(asyncio.Protocol):
             self.broker.mark_dirty(self)
         out.append(data)
 
-    def flush(self):
+    def take_output(self):
+        """Detach what is queued (the broker holds it until the store says it is durable)."""
         out = self._out
         if not out:
-            return
+            return b""
         data = out[0] if len(out) == 1 else b"".join(out)
         out.clear()
-        if self.transport is not None and not self.closing:
-            self.transport.write(data)
-            self.router.stats.bytes_sent += len(data)
+        return data
+
+    def flush(self):
+        data = self.take_output()
+        if data or self.close_pending:
+            self.write_now(data)
+            if self.close_pending:
+                self.close_pending = False
+                self.write_now(None)
+
+    def write_now(self, data):
+        """Write bytes (or, for None, close the transport) right away."""
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if data is None:
+            t.close()
+            return
+        t.write(data)
+        self.router.stats.bytes_sent += len(data)
 
     def close(self, reason=None):
         """Close after sending what is queued; 5.0 clients get DISCONNECT(reason) first."""
@@ -163,6 +183,19 @@ class Connection(asyncio.Protocol):
             if self.version == C.MQTT5 and self.state in (_OPEN, _CLOSED) or \
                     (self.version == C.MQTT5 and reason == C.SESSION_TAKEN_OVER):
                 self.send(encode(Disconnect(reason), C.MQTT5))
+        if self.broker.holding() and self.transport is not None:
+            # Output waits for the store: close after it has been written.
+            self.close_pending = True
+            self.closing = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            try:
+                self.transport.pause_reading()
+            except (RuntimeError, AttributeError):
+                pass
+            self.broker.mark_dirty(self)
+            return
         self.flush()
         self.closing = True
         if self._timer is not None:

@@ -18,7 +18,8 @@ from ..mqtt.codec import MQTTError, encode
 from ..mqtt.packets import Connack, Suback, Unsuback
 from .message import Message, message_properties
 from .session import NEVER, Outgoing, Session, Subscription
-from .topics import RetainedTrie, TopicError, TopicTrie, parse_shared, validate_topic_filter
+from .topics import (RetainedTrie, TopicError, TopicTrie, parse_shared, topic_matches,
+                     validate_topic_filter)
 
 log = logging.getLogger("wrenmq.router")
 
@@ -30,6 +31,7 @@ _PINGRESP = b"\xd0\x00"
 # Timer kinds.
 _EXPIRE_SESSION = 1
 _PUBLISH_WILL = 2
+_CATCH_UP = 3
 
 
 class Stats:
@@ -94,12 +96,13 @@ class Router:
         self.shared = TopicTrie()  # filter -> {group name: SharedGroup}
         self.retained = RetainedTrie()
         self._matches = {}  # topic -> (normal targets, shared groups)
+        self.dirty = set()  # stored sessions whose log cursor may have moved
         self.stats = Stats()
         self.online = 0
         self._timers = []
         self._seq = count()
         self.on_timer = None  # broker callback(deadline) when the earliest timer changes
-        self.store = None  # commit log append point (set by the broker when enabled)
+        self.persist = None  # Persistence (commit log + state) when storage is on disk
         self.maximum_qos = config.broker.maximum_qos
         self.retain_available = config.broker.retain_available
         self.max_queued = self.limits.max_queued_messages
@@ -135,8 +138,14 @@ class Router:
         timers = self._timers
         while timers and timers[0][0] <= now:
             _, _, kind, session, gen = heapq.heappop(timers)
-            if session.generation != gen or session.conn is not None:
-                continue  # reconnected since: the timer is stale
+            if session.generation != gen:
+                continue  # (re)connected or disconnected since: the timer is stale
+            if kind == _CATCH_UP:
+                if session.conn is not None:
+                    self.drain(session)
+                continue
+            if session.conn is not None:
+                continue
             if kind == _PUBLISH_WILL:
                 if session.will_at is not None and session.will_at <= now:
                     self._publish_will(session)
@@ -241,6 +250,8 @@ class Router:
             props.update(self._connack_properties())
             if auth_props:
                 props.update(auth_props)
+        if self.persist is not None:
+            self.persist.session_started(session, pkt.clean_start)
         conn.send(encode(Connack(present, 0, props), pkt.version))
         log.info("client %s connected from %s (v%s, clean=%s, keepalive=%s, session present=%s)",
                  cid, conn.address, {3: "3.1", 4: "3.1.1", 5: "5.0"}[pkt.version],
@@ -314,6 +325,8 @@ class Router:
         if session.expiry_interval == 0:
             self.end_session(session)
             return
+        if self.persist is not None:
+            self.persist.session_offline(session)
         if will is not None:
             delay = min(session.will_delay, session.expiry_interval)
             if delay <= 0:
@@ -360,6 +373,8 @@ class Router:
         session.incoming_qos2.clear()
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
+        if self.persist is not None:
+            self.persist.session_ended(session)
         self._matches.clear()
         self.hooks.on_session_expired(session.client_id)
 
@@ -444,10 +459,20 @@ class Router:
         stats = self.stats
         stats.pub_received += 1
         pid = pkt.packet_id
-        if qos == 2 and pid in session.incoming_qos2:
-            # A resend of a message we already hold: acknowledge again, deliver once.
-            session.conn.send(bytes((_PUBREC, 2, pid >> 8, pid & 0xFF)))
-            return
+        if qos == 2:
+            if pid in session.incoming_qos2:
+                # A resend of a message we already hold: acknowledge again, deliver once.
+                session.conn.send(bytes((_PUBREC, 2, pid >> 8, pid & 0xFF)))
+                return
+            restored = session.restored_qos2
+            if restored and pid in restored:
+                # Known before a restart. A resend (DUP) is the same message; without DUP
+                # the client must have completed it and reused the id for a new one.
+                restored.discard(pid)
+                if pkt.dup:
+                    session.incoming_qos2.add(pid)
+                    session.conn.send(bytes((_PUBREC, 2, pid >> 8, pid & 0xFF)))
+                    return
         if qos and session.v5 and len(session.incoming_qos2) >= session.receive_max_in:
             raise MQTTError(C.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
 
@@ -466,19 +491,24 @@ class Router:
             else:
                 msg = Message(topic, pkt.payload, qos, retain, props, None, session.client_id,
                               session, raw, session.v5, time.time())
-            if not self.publish(msg) and session.v5:
+            if not self.publish(msg, pid if qos == 2 else 0) and session.v5:
                 reason = C.NO_MATCHING_SUBSCRIBERS
         if qos == 1:
             session.conn.send(_encode_ack(_PUBACK, pid, reason, session.v5))
         elif qos == 2:
             if reason < 0x80:
                 session.incoming_qos2.add(pid)
+                if session.stored:
+                    self.persist.qos2_in(session, pid, True)
             session.conn.send(_encode_ack(_PUBREC, pid, reason, session.v5))
 
     def handle_pubrel(self, session, pkt):
         pid = pkt.packet_id
-        if pid in session.incoming_qos2:
+        if pid in session.incoming_qos2 or (session.restored_qos2 and pid in session.restored_qos2):
             session.incoming_qos2.discard(pid)
+            session.restored_qos2.discard(pid)
+            if session.stored:
+                self.persist.qos2_in(session, pid, False)
             session.conn.send(bytes((_PUBCOMP, 2, pid >> 8, pid & 0xFF)))
         else:
             session.conn.send(_encode_ack(_PUBCOMP, pid, C.PACKET_IDENTIFIER_NOT_FOUND, session.v5))
@@ -487,7 +517,9 @@ class Router:
         out = session.inflight.get(pkt.packet_id)
         if out is not None and out.qos == 1:
             del session.inflight[pkt.packet_id]
-            if session.queue:
+            if session.stored:
+                self.dirty.add(session)
+            if session.queue or session.resume_from is not None:
                 self.drain(session)
 
     def handle_pubrec(self, session, pkt):
@@ -498,17 +530,26 @@ class Router:
             return
         if pkt.reason_code >= 0x80:
             del session.inflight[pid]
-            if session.queue:
+            if session.stored and out.msg.offset >= 0:
+                self.persist.qos2_out(session, pid, out.msg.offset, 2)
+            if session.queue or session.resume_from is not None:
                 self.drain(session)
             return
-        out.released = True
+        if not out.released:
+            out.released = True
+            if session.stored and out.msg.offset >= 0:
+                self.persist.qos2_out(session, pid, out.msg.offset, 1)
         session.conn.send(bytes((0x62, 2, pid >> 8, pid & 0xFF)))
 
     def handle_pubcomp(self, session, pkt):
         out = session.inflight.get(pkt.packet_id)
         if out is not None and out.qos == 2:
             del session.inflight[pkt.packet_id]
-            if session.queue:
+            if session.stored:
+                self.dirty.add(session)
+                if out.msg.offset >= 0:
+                    self.persist.qos2_out(session, pkt.packet_id, out.msg.offset, 2)
+            if session.queue or session.resume_from is not None:
                 self.drain(session)
 
     def handle_pingreq(self, session, pkt):
@@ -563,6 +604,10 @@ class Router:
             existed = t.filter in session.subscriptions
             sub = Subscription(flt, qos, t.no_local, t.retain_as_published, t.retain_handling,
                                sub_id, group, session)
+            if self.persist is not None:
+                sub.since = self.persist.next_offset
+                if session.stored:
+                    self.persist.subscribed(session, sub)
             if existed:
                 self._remove_subscription(session, session.subscriptions[t.filter])
             session.subscriptions[t.filter] = sub
@@ -580,9 +625,11 @@ class Router:
                     if msg.expired(now):
                         self.retained.delete(msg.topic)
                         continue
-                    self._deliver(session, msg, msg.qos if msg.qos < sub.qos else sub.qos, True, ids)
+                    self._deliver(session, msg, msg.qos if msg.qos < sub.qos else sub.qos, True, ids,
+                                  None, False)
 
     def _add_subscription(self, session, sub):
+        session.match_cache = None
         if sub.group is None:
             self.subs.insert(sub.filter, session.client_id, sub)
             return
@@ -593,6 +640,7 @@ class Router:
         groups.members.append(sub)
 
     def _remove_subscription(self, session, sub):
+        session.match_cache = None
         if sub.group is None:
             self.subs.remove(sub.filter, session.client_id)
             return
@@ -610,26 +658,34 @@ class Router:
                 codes.append(C.NO_SUBSCRIPTION_EXISTED)
             else:
                 self._remove_subscription(session, sub)
+                if session.stored:
+                    self.persist.unsubscribed(session, f)
                 codes.append(0)
         self._matches.clear()
         session.conn.send(encode(Unsuback(pkt.packet_id, codes if session.v5 else ()), session.version))
 
     # --- routing -----------------------------------------------------------
 
-    def publish(self, msg):
-        """The one entry point of every accepted message. Returns True if anyone matched."""
+    def publish(self, msg, packet_id=0):
+        """The one entry point of every accepted message. Returns True if anyone matched.
+
+        `packet_id` is the publisher's id of a QoS 2 message (kept in the log for recovery).
+        """
         hooks = self.hooks
         if hooks.on_publish is not None:
             msg = hooks.on_publish(msg.origin, msg)
             if msg is None:
                 return False
+        persist = self.persist
+        if persist is not None:
+            persist.append(msg, packet_id)
         if msg.retain:
             if msg.payload:
                 self.retained.set(msg.topic, msg)
             else:
                 self.retained.delete(msg.topic)
-        if self.store is not None:
-            self.store.append(msg)
+            if persist is not None:
+                persist.retained_changed(msg)
         return self.route(msg)
 
     def _match(self, topic):
@@ -667,9 +723,12 @@ class Router:
         mqos = msg.qos
         origin = msg.origin
         deliver = self._deliver
+        logged = msg.offset >= 0
         for session, qos, rap, ids, no_local in normal:
             if no_local and session is origin:
                 continue
+            if logged and session.resume_from is not None:
+                continue  # it reads this message from the log when it catches up
             deliver(session, msg, mqos if mqos < qos else qos, msg.retain and rap, ids)
         for group in groups:
             sub = group.pick()
@@ -679,7 +738,7 @@ class Router:
                         (sub.sub_id,) if sub.sub_id else (), group)
         return True
 
-    def _deliver(self, session, msg, qos, retain, sub_ids, group=None):
+    def _deliver(self, session, msg, qos, retain, sub_ids, group=None, tracked=True):
         hooks = self.hooks
         if hooks.authorize_deliver is not None and hooks.authorize_deliver(session, msg) is False:
             return
@@ -700,30 +759,49 @@ class Router:
             conn.send(msg.encode_qos0(session.v5, retain))
             self.stats.pub_sent += 1
             return
-        out = Outgoing(msg, qos, retain, sub_ids, group)
+        out = Outgoing(msg, qos, retain, sub_ids, group, tracked)
+        if session.stored:
+            self.dirty.add(session)
         if conn is not None and not session.queue and len(session.inflight) < session.send_quota \
                 and not conn.congested:
-            pid = session.allocate_pid()
-            session.inflight[pid] = out
-            out.packet_id = pid
-            if not self._write_publish(session, msg, qos, retain, sub_ids, pid, False):
-                del session.inflight[pid]
+            self._send_outgoing(session, out)
         else:
             self._enqueue(session, out)
 
+    def _send_outgoing(self, session, out):
+        pid = session.allocate_pid()
+        session.inflight[pid] = out
+        out.packet_id = pid
+        msg = out.msg
+        if out.qos == 2 and session.stored and msg.offset >= 0:
+            self.persist.qos2_out(session, pid, msg.offset, 0)
+        if not self._write_publish(session, msg, out.qos, out.retain, out.sub_ids, pid, False):
+            del session.inflight[pid]
+
     def _enqueue(self, session, out):
         if len(session.queue) >= self.max_queued:
+            if out.msg.offset >= 0 and session.stored and out.group is None and out.qos:
+                # The log keeps it: read it back from there once the queue drains.
+                if session.resume_from is None:
+                    session.resume_from = out.msg.offset
+                return
             session.dropped += 1
             self.stats.pub_dropped += 1
             return
         session.queue.append(out)
 
     def drain(self, session):
-        """Move queued messages into the window while the client can take them."""
+        """Move queued messages into the window while the client can take them.
+
+        A session that has more waiting in the commit log than in memory reads the
+        next stretch of the log when its queue runs dry (`catch_up`).
+        """
         conn = session.conn
         queue = session.queue
         inflight = session.inflight
         now = self.clock()
+        if not queue and session.resume_from is not None and conn is not None:
+            self.catch_up(session)
         while queue and conn is not None and not conn.congested:
             out = queue[0]
             msg = out.msg
@@ -738,11 +816,84 @@ class Router:
             if len(inflight) >= session.send_quota:
                 break
             queue.popleft()
-            pid = session.allocate_pid()
-            inflight[pid] = out
-            out.packet_id = pid
-            if not self._write_publish(session, msg, out.qos, out.retain, out.sub_ids, pid, False):
-                del inflight[pid]
+            self._send_outgoing(session, out)
+            if not queue and session.resume_from is not None:
+                self.catch_up(session)
+
+    def catch_up(self, session, max_records=2000):
+        """Queue the session's next messages from the commit log (after a crash, a long
+        absence or a queue overflow); live routing resumes once it reaches the log end."""
+        persist = self.persist
+        start = session.resume_from
+        if persist is None or start is None:
+            return
+        want = max(64, session.send_quota - len(session.inflight))
+        queued = 0
+        scanned = 0
+        skip = session.skip_offsets
+        while scanned < max_records and queued < want:
+            items = persist.read(start, 500)
+            if not items:
+                start = max(start, persist.next_offset) if start >= persist.start_offset else persist.start_offset
+                break
+            for item in items:
+                off = item.offset
+                start = off + 1
+                scanned += 1
+                if skip and off in skip:
+                    skip.discard(off)
+                    continue
+                hit = self._session_match(session, item.topic, off)
+                if hit is None:
+                    continue
+                sqos, rap, ids, no_local = hit
+                if no_local and item.client_id == session.client_id:
+                    continue
+                q = item.qos if item.qos < sqos else sqos
+                if not q and not self.queue_qos0:
+                    continue
+                msg = item if isinstance(item, Message) else persist.message_from_record(item)
+                session.queue.append(Outgoing(msg, q, msg.retain and rap, ids))
+                queued += 1
+        if start >= persist.next_offset:
+            session.resume_from = None
+            session.skip_offsets = None
+        else:
+            session.resume_from = start
+            if not queued:
+                # Nothing for it in this stretch: continue on the next loop turn.
+                self._schedule(self.clock(), _CATCH_UP, session)
+        if session.stored:
+            self.dirty.add(session)
+
+    def _session_match(self, session, topic, offset):
+        """(qos, retain-as-published, subscription ids, all no-local) of the session's
+        non-shared subscriptions matching `topic` that existed at `offset`, or None."""
+        cache = session.match_cache
+        if cache is None:
+            cache = session.match_cache = {}
+        subs = cache.get(topic)
+        if subs is None:
+            subs = cache[topic] = [s for s in session.subscriptions.values()
+                                   if s.group is None and topic_matches(s.filter, topic)]
+            if len(cache) > 10000:
+                cache.clear()
+        qos = -1
+        rap = False
+        ids = []
+        nl = True
+        for s in subs:
+            if offset < s.since:
+                continue
+            if s.qos > qos:
+                qos = s.qos
+            rap = rap or s.retain_as_published
+            if s.sub_id:
+                ids.append(s.sub_id)
+            nl = nl and s.no_local
+        if qos < 0:
+            return None
+        return qos, rap, tuple(sorted(ids)), nl
 
     def _write_publish(self, session, msg, qos, retain, sub_ids, pid, dup):
         """Encode and send one PUBLISH (general path); False if it had to be dropped."""

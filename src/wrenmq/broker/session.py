@@ -13,7 +13,7 @@ class Subscription:
     """One subscription of one session; `group` is the share name for $share filters."""
 
     __slots__ = ("filter", "qos", "no_local", "retain_as_published", "retain_handling",
-                 "sub_id", "group", "session")
+                 "sub_id", "group", "session", "since")
 
     def __init__(self, filter, qos, no_local=False, retain_as_published=False, retain_handling=0,
                  sub_id=None, group=None, session=None):
@@ -25,6 +25,7 @@ class Subscription:
         self.sub_id = sub_id
         self.group = group
         self.session = session
+        self.since = 0  # log offset when subscribed: earlier messages are not for it
 
     @property
     def full_filter(self):
@@ -34,9 +35,9 @@ class Subscription:
 class Outgoing:
     """A QoS 1/2 message sent (or about to be sent) to the session's client."""
 
-    __slots__ = ("msg", "qos", "retain", "sub_ids", "packet_id", "released", "group")
+    __slots__ = ("msg", "qos", "retain", "sub_ids", "packet_id", "released", "group", "tracked")
 
-    def __init__(self, msg, qos, retain, sub_ids=(), group=None):
+    def __init__(self, msg, qos, retain, sub_ids=(), group=None, tracked=True):
         self.msg = msg
         self.qos = qos
         self.retain = retain
@@ -46,6 +47,9 @@ class Outgoing:
         self.released = False
         # The SharedGroup it was chosen by, so it can go to another member if unacknowledged.
         self.group = group
+        # Delivered in log order by a subscription of this session (not retained-on-subscribe,
+        # not shared): the session's log cursor must not pass it until it is acknowledged.
+        self.tracked = tracked and group is None
 
 
 class Session:
@@ -54,7 +58,8 @@ class Session:
         "expires_at", "will", "will_delay", "will_at", "inflight", "queue", "incoming_qos2", "next_pid",
         "send_quota", "max_packet_out", "alias_in", "alias_out", "alias_out_max",
         "topic_alias_in_max", "receive_max_in", "username", "address", "connected_at",
-        "dropped", "generation", "request_problem_info", "listener",
+        "dropped", "generation", "request_problem_info", "listener", "stored", "resume_from",
+        "skip_offsets", "restored_qos2", "match_cache", "cursor_saved",
     )
 
     def __init__(self, client_id):
@@ -87,6 +92,13 @@ class Session:
         self.generation = 0  # bumped on every attach; stale timers compare it
         self.request_problem_info = True
         self.listener = None
+        # Persistence (only with [storage] mode = "disk"):
+        self.stored = False  # has a row in the state database
+        self.resume_from = None  # log offset to catch up from (messages not in memory)
+        self.skip_offsets = None  # log offsets handled by restored QoS 2 state
+        self.restored_qos2 = set()  # inbound QoS 2 ids known before a restart
+        self.match_cache = None  # topic -> matching subscriptions, for catch-up
+        self.cursor_saved = None
 
     @property
     def online(self):

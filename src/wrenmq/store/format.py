@@ -17,6 +17,7 @@ One batch holds the records of one group commit. Layout (little-endian):
         client_offsets     u32[N+1]
         property_offsets   u32[N+1]  (raw MQTT 5 property block, without its length prefix)
         payload_offsets    u32[N+1]
+        packet_ids         u16[N]  the publisher's packet id of a QoS 2 message, else 0
         flags              u8[N]   bits 0-1 QoS, bit 2 retain
         topic data, client data, property data, payload data, zero padding to 8
 
@@ -47,7 +48,7 @@ class CorruptBatch(Exception):
     """A batch whose bytes do not check out; `recoverable` if its structure is intact."""
 
 
-def encode_batch(base, timestamps, flags, topics, clients, props, payloads):
+def encode_batch(base, timestamps, flags, topics, clients, props, payloads, packet_ids=None):
     """Serialize one batch from per-record columns (lists of ints / bytes)."""
     n = len(timestamps)
     crc32 = zlib.crc32
@@ -60,6 +61,7 @@ def encode_batch(base, timestamps, flags, topics, clients, props, payloads):
         array("I", accumulate(map(len, clients), initial=0)).tobytes(),
         array("I", accumulate(map(len, props), initial=0)).tobytes(),
         array("I", accumulate(map(len, payloads), initial=0)).tobytes(),
+        array("H", packet_ids).tobytes() if packet_ids is not None else bytes(2 * n),
         bytes(flags),
         b"".join(topics),
         b"".join(clients),
@@ -125,7 +127,7 @@ class Batch:
         cols = {}
         for name, width in (("timestamps", 8 * n), ("crc", 4 * n), ("topic_off", 4 * (n + 1)),
                             ("client_off", 4 * (n + 1)), ("props_off", 4 * (n + 1)),
-                            ("payload_off", 4 * (n + 1)), ("flags", n)):
+                            ("payload_off", 4 * (n + 1)), ("packet_ids", 2 * n), ("flags", n)):
             cols[name] = (p, p + width)
             p += width
         if p > end:
@@ -152,6 +154,7 @@ class Batch:
         ts = self._array("timestamps", "q")
         crcs = self._array("crc", "I")
         flags = self._array("flags", "B")
+        pids = self._array("packet_ids", "H")
         to, co, po, yo = (self._array(k, "I") for k in ("topic_off", "client_off", "props_off", "payload_off"))
         tb, cb, pb, yb = (cols[k][0] for k in ("topic", "client", "props", "payload"))
         mv = memoryview(buf)
@@ -166,7 +169,7 @@ class Batch:
                 continue
             f = flags[i]
             yield Record(self.base + i, ts[i], f & 3, bool(f & 4), topic.decode("utf-8", "replace"),
-                         client.decode("utf-8", "replace"), props, payload)
+                         client.decode("utf-8", "replace"), props, payload, pids[i])
 
     def topics(self):
         """The topic of every record (decoded), for matching without touching payloads."""
@@ -178,9 +181,10 @@ class Batch:
 
 
 class Record:
-    __slots__ = ("offset", "timestamp", "qos", "retain", "topic", "client_id", "properties", "payload")
+    __slots__ = ("offset", "timestamp", "qos", "retain", "topic", "client_id", "properties", "payload",
+                 "packet_id")
 
-    def __init__(self, offset, timestamp, qos, retain, topic, client_id, properties, payload):
+    def __init__(self, offset, timestamp, qos, retain, topic, client_id, properties, payload, packet_id=0):
         self.offset = offset
         self.timestamp = timestamp  # microseconds since the epoch
         self.qos = qos
@@ -189,6 +193,7 @@ class Record:
         self.client_id = client_id
         self.properties = properties  # raw MQTT 5 property block (no length prefix)
         self.payload = payload
+        self.packet_id = packet_id
 
     def __repr__(self):
         return (f"Record(offset={self.offset}, timestamp={self.timestamp}, topic={self.topic!r}, "

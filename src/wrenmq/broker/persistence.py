@@ -1,0 +1,305 @@
+"""Persistence: what the router tells the store, and how its state comes back after a restart.
+
+The router calls these methods at the moments that matter (a session starts,
+goes offline or ends; a subscription changes; a retained message changes; a
+QoS 2 exchange moves on; a message is accepted). Each becomes a store operation
+in the current epoch. Messages are written once, to the commit log; a stored
+session's backlog is its *cursor* (the lowest log offset it may still need)
+plus its filters, so after a crash, a long absence or a queue overflow the
+session re-reads its messages from the log (`Router.catch_up`).
+"""
+
+import logging
+import time
+
+from ..mqtt import constants as C
+from ..mqtt.codec import MQTTError, decode, encode_properties, encode_publish
+from ..store import state as S
+from ..store.store import parse_properties_block, properties_block
+from .message import Message
+from .session import NEVER, Outgoing, Session, Subscription
+from .topics import parse_shared, topic_matches
+
+log = logging.getLogger("wrenmq.persistence")
+
+_RETENTION_EVERY = 30.0  # seconds between retention checks
+
+
+class Persistence:
+    def __init__(self, router, store):
+        self.router = router
+        self.store = store
+        self._log_filters = list(router.cfg.log.topics)
+        self._logged = {}  # topic -> bool
+        self._rotor = iter(())
+        self._last_retention = 0.0
+        self.restored_sessions = 0
+
+    # --- the log ---------------------------------------------------------------
+
+    @property
+    def next_offset(self):
+        return self.store.next_offset
+
+    @property
+    def start_offset(self):
+        return self.store.start_offset
+
+    def logged(self, topic):
+        r = self._logged.get(topic)
+        if r is None:
+            r = not topic.startswith("$SYS") and any(topic_matches(f, topic) for f in self._log_filters)
+            if len(self._logged) > 100_000:
+                self._logged.clear()
+            self._logged[topic] = r
+        return r
+
+    def append(self, msg, packet_id=0):
+        store = self.store
+        if store.log is not None and self.logged(msg.topic):
+            store.append(msg, packet_id)
+
+    def read(self, start, limit):
+        return self.store.read(start, limit)
+
+    def message_from_record(self, rec):
+        props = parse_properties_block(rec.properties) if rec.properties else {}
+        ts = rec.timestamp / 1e6
+        expiry = None
+        interval = props.get("message_expiry_interval")
+        if interval is not None:
+            remaining = interval - (time.time() - ts)
+            expiry = self.router.clock() + remaining
+        msg = Message(rec.topic, rec.payload, rec.qos, rec.retain, props, expiry, rec.client_id,
+                      None, None, False, ts)
+        msg.offset = rec.offset
+        return msg
+
+    # --- sessions ----------------------------------------------------------------
+
+    @staticmethod
+    def _will_blob(session):
+        w = session.will
+        if w is None:
+            return None
+        return encode_publish(w.topic, w.payload, w.qos, w.retain, False, 1 if w.qos else None,
+                              encode_properties(w.properties))
+
+    def session_started(self, session, clean_start):
+        if session.expiry_interval <= 0:
+            return
+        store = self.store
+        new = not session.stored
+        cursor = store.next_offset
+        store.op(S.SESSION_UPSERT, (session.client_id, session.version, session.expiry_interval,
+                                    session.username, self._will_blob(session), session.will_delay,
+                                    cursor))
+        if new:
+            session.cursor_saved = cursor
+        session.stored = True
+
+    def cursor_of(self, session):
+        """The lowest log offset the session may still need."""
+        c = self.store.next_offset
+        if session.resume_from is not None and session.resume_from < c:
+            c = session.resume_from
+        for out in session.inflight.values():
+            o = out.msg.offset
+            if 0 <= o < c and out.tracked:
+                c = o
+        for out in session.queue:
+            o = out.msg.offset
+            if 0 <= o < c and out.tracked:
+                c = o
+        return c
+
+    def session_offline(self, session):
+        if not session.stored:
+            return
+        cursor = self.cursor_of(session)
+        session.cursor_saved = cursor
+        self.store.op(S.SESSION_OFFLINE, (time.time(), session.expiry_interval, self._will_blob(session),
+                                          cursor, session.client_id), durable=False)
+
+    def session_ended(self, session):
+        if not session.stored:
+            return
+        cid = (session.client_id,)
+        op = self.store.op
+        op(S.SESSION_DELETE, cid, False)
+        op(S.SUBS_DELETE_ALL, cid, False)
+        op(S.QOS2_IN_DELETE_ALL, cid, False)
+        op(S.QOS2_OUT_DELETE_ALL, cid, False)
+        session.stored = False
+
+    def subscribed(self, session, sub):
+        self.store.op(S.SUB_UPSERT, (session.client_id, sub.full_filter, sub.qos, int(sub.no_local),
+                                     int(sub.retain_as_published), sub.retain_handling, sub.sub_id,
+                                     sub.since))
+
+    def unsubscribed(self, session, flt):
+        self.store.op(S.SUB_DELETE, (session.client_id, flt))
+
+    def qos2_in(self, session, pid, add):
+        if add:
+            self.store.op(S.QOS2_IN_ADD, (session.client_id, pid))
+        else:
+            self.store.op(S.QOS2_IN_DELETE, (session.client_id, pid), False)
+
+    def qos2_out(self, session, pid, offset, state):
+        self.store.op(S.QOS2_OUT_SET, (session.client_id, pid, offset, state), state < 2)
+
+    def retained_changed(self, msg):
+        if msg.topic.startswith("$SYS"):
+            return  # rebuilt by the broker every interval
+        if msg.payload:
+            expires = None
+            if msg.expiry is not None:
+                expires = time.time() + (msg.expiry - self.router.clock())
+            self.store.op(S.RETAINED_SET, (msg.topic, msg.qos, msg.payload, properties_block(msg),
+                                           msg.client_id, msg.timestamp, expires), msg.qos > 0)
+        else:
+            self.store.op(S.RETAINED_DELETE, (msg.topic,), msg.qos > 0)
+
+    # --- checkpoints -------------------------------------------------------------
+
+    def checkpoint(self, everything=False):
+        """Save moved cursors (and, slowly, refresh idle ones); apply retention now and then."""
+        router = self.router
+        store = self.store
+        op = store.op
+        if everything:
+            sessions = [s for s in router.sessions.values() if s.stored]
+        else:
+            sessions = list(router.dirty)
+            # A slice of idle sessions too, so their cursors do not lag far behind.
+            for _ in range(1000):
+                s = next(self._rotor, None)
+                if s is None:
+                    self._rotor = iter(list(router.sessions.values()))
+                    break
+                sessions.append(s)
+        router.dirty.clear()
+        for s in sessions:
+            if not s.stored or router.sessions.get(s.client_id) is not s:
+                continue
+            c = self.cursor_of(s)
+            if c != s.cursor_saved:
+                op(S.SESSION_CURSOR, (c, s.client_id), False)
+                op(S.QOS2_OUT_GC, (s.client_id, c), False)
+                s.cursor_saved = c
+        op(S.META_SET, ("last_alive", repr(time.time())), False)
+        now = time.monotonic()
+        if store.log is not None and now - self._last_retention >= _RETENTION_EVERY:
+            self._last_retention = now
+            protect = min((self.cursor_of(s) for s in router.sessions.values() if s.stored),
+                          default=store.next_offset)
+            store.request_retention(protect)
+
+    # --- restart -------------------------------------------------------------------
+
+    def restore(self):
+        """Rebuild sessions, subscriptions, retained messages and QoS 2 state from disk."""
+        router = self.router
+        store = self.store
+        state = store.db.load()
+        meta = state["meta"]
+        now_wall = time.time()
+        now = router.clock()
+        last_alive = float(meta.get("last_alive", now_wall))
+        end = store.next_offset
+        start = store.start_offset
+        sessions = {}
+        for cid, version, expiry, username, will, will_delay, disconnected_at, cursor in state["sessions"]:
+            s = Session(cid)
+            s.version = version
+            s.v5 = version == C.MQTT5
+            s.expiry_interval = expiry
+            s.username = username
+            s.stored = True
+            s.will_delay = will_delay or 0
+            if will:
+                try:
+                    pkt = decode(will, C.MQTT5)
+                    s.will = Message(pkt.topic, pkt.payload, pkt.qos, pkt.retain,
+                                     dict(pkt.properties), None, cid, s)
+                except MQTTError:
+                    log.error("session %s: stored will is unreadable; dropped", cid)
+            cursor = end if cursor is None else cursor
+            if cursor < start:
+                log.warning("session %s: log records %d-%d it needed were deleted by retention",
+                            cid, cursor, start - 1)
+                cursor = start
+            s.cursor_saved = cursor
+            if cursor < end:
+                s.resume_from = cursor
+            s.address = "(restored)"
+            gone_at = disconnected_at if disconnected_at is not None else last_alive
+            s.expires_at = None
+            if expiry != NEVER:
+                remaining = expiry - (now_wall - gone_at)
+                s.expires_at = now + max(0.0, remaining)
+            if s.will is not None:
+                delay = min(s.will_delay, expiry)
+                s.will_at = now + max(0.0, gone_at + delay - now_wall)
+            sessions[cid] = s
+        for cid, flt, qos, nl, rap, rh, sub_id, since in state["subscriptions"]:
+            s = sessions.get(cid)
+            if s is None:
+                continue
+            group, inner = parse_shared(flt)
+            sub = Subscription(inner, qos, bool(nl), bool(rap), rh, sub_id, group, s)
+            sub.since = since
+            s.subscriptions[flt] = sub
+            router._add_subscription(s, sub)
+        for cid, pid in state["qos2_in"]:
+            s = sessions.get(cid)
+            if s is not None:
+                s.restored_qos2.add(pid)
+        # QoS 2 messages that reached the log just before a crash but not the database.
+        log_through = int(meta.get("log_through", end))
+        if store.log is not None and log_through < end:
+            for rec in store.read(max(log_through, start), end - log_through):
+                if rec.qos == 2 and rec.packet_id:
+                    s = sessions.get(rec.client_id)
+                    if s is not None:
+                        s.restored_qos2.add(rec.packet_id)
+        # Outgoing QoS 2 exchanges: resume them with their packet ids.
+        for cid, pid, offset, st in state["qos2_out"]:
+            s = sessions.get(cid)
+            if s is None or offset < start:
+                continue
+            if s.skip_offsets is None:
+                s.skip_offsets = set()
+            s.skip_offsets.add(offset)
+            if st >= 2:
+                continue
+            recs = store.read(offset, 1)
+            if not recs or recs[0].offset != offset:
+                continue
+            msg = self.message_from_record(recs[0])
+            out = Outgoing(msg, 2, False)
+            out.packet_id = pid
+            out.released = st == 1
+            s.inflight[pid] = out
+            s.next_pid = pid + 1 if pid < 65535 else 1
+        for topic, qos, payload, props, client_id, ts, expires_at in state["retained"]:
+            if expires_at is not None and expires_at <= now_wall:
+                continue
+            p = parse_properties_block(props)
+            expiry = now + (expires_at - now_wall) if expires_at is not None else None
+            router.retained.set(topic, Message(topic, payload, qos, True, p, expiry, client_id, None,
+                                               None, False, ts))
+        router.sessions.update(sessions)
+        router._matches.clear()
+        self.restored_sessions = len(sessions)
+        # Timers last: expiry and wills that fell due while the broker was down fire now.
+        for s in sessions.values():
+            if s.will_at is not None:
+                router._schedule(s.will_at, 2, s)
+            if s.expires_at is not None:
+                router._schedule(s.expires_at, 1, s)
+        if sessions or state["retained"]:
+            log.info("restored %d session(s), %d subscription(s), %d retained message(s); log offsets %d-%d",
+                     len(sessions), len(state["subscriptions"]), router.retained.count, start, end - 1)
+        return len(sessions)

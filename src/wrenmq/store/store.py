@@ -1,0 +1,349 @@
+"""The store: group commit of log records and state changes, on one writer thread.
+
+The event loop appends records and state operations to the current *epoch*
+(everything one loop turn produced). At the end of the turn the broker seals the
+epoch and hands it to the writer thread, which encodes the batch, appends it to
+the commit log, syncs according to `[storage] fsync`, applies the state
+operations to SQLite in one transaction and reports back. Under
+`fsync = "always"` the broker holds every byte that epoch produced for clients
+until the report arrives, so no acknowledgement ever leaves before what it
+acknowledges is on disk; the next epoch is processed meanwhile, so throughput
+comes from batching, not from skipping the fsync.
+"""
+
+import collections
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+
+from ..mqtt.codec import decode_properties, encode_properties, encode_varint
+from .format import encode_batch
+from .log import CommitLog, LogReader
+from .state import META_SET, StateDB
+
+log = logging.getLogger("wrenmq.store")
+
+_EMPTY = b""
+
+
+def properties_block(msg):
+    """A message's MQTT 5 properties as stored: the property bytes without the length prefix."""
+    if not msg.properties:
+        return _EMPTY
+    enc = encode_properties(msg.properties)
+    # Skip the variable byte integer length prefix.
+    i = 0
+    while enc[i] & 0x80:
+        i += 1
+    return enc[i + 1:]
+
+
+def parse_properties_block(block):
+    if not block:
+        return {}
+    data = encode_varint(len(block)) + block
+    props, _ = decode_properties(data, 0, len(data), "P")
+    return dict(props)
+
+
+class _Epoch:
+    __slots__ = ("id", "base", "ts", "flags", "topics", "clients", "props", "payloads", "pids", "ops",
+                 "durable")
+
+    def __init__(self, eid, base):
+        self.id = eid
+        self.base = base
+        self.ts = []
+        self.flags = []
+        self.topics = []
+        self.clients = []
+        self.props = []
+        self.payloads = []
+        self.pids = []
+        self.ops = []
+        self.durable = False
+
+
+def node_id_for(data_dir, configured):
+    """The node's name: configured, else remembered in data_dir, else the host name."""
+    path = os.path.join(data_dir, "node_id")
+    if configured:
+        return configured
+    try:
+        with open(path) as fh:
+            name = fh.read().strip()
+            if name:
+                return name
+    except FileNotFoundError:
+        pass
+    name = socket.gethostname() or "node0"
+    name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+    with open(path, "w") as fh:
+        fh.write(name + "\n")
+    return name
+
+
+class Store:
+    """Persistence for one broker node; call `append`/`op`/`seal` from the event loop only."""
+
+    def __init__(self, config, on_durable=None, on_error=None):
+        st = config.storage
+        lg = config.log
+        self.config = config
+        self.data_dir = os.path.abspath(st.data_dir)
+        os.makedirs(self.data_dir, exist_ok=True)
+        self.node_id = node_id_for(self.data_dir, config.broker.node_id)
+        self.fsync = st.fsync
+        self.fsync_interval = st.fsync_interval_ms / 1000.0
+        self.hold_output = st.fsync == "always"
+        self.log_dir = os.path.join(self.data_dir, "log", self.node_id)
+        self.log = None
+        if lg.enabled:
+            self.log = CommitLog(self.log_dir, lg.segment_bytes, lg.index_interval_bytes)
+        self._reader = None
+        sync = {"always": "FULL", "interval": "NORMAL", "never": "OFF"}[st.fsync]
+        self.db = StateDB(os.path.join(self.data_dir, "state.db"), sync)
+        self.next_offset = self.log.end_offset if self.log is not None else 0
+        self.on_durable = on_durable  # loop-side callback(epoch_id)
+        self.on_pending = None  # loop-side callback when an empty epoch gets its first entry
+        self.on_error = on_error
+        self.loop = None
+        self._last_id = 0
+        self.durable_id = 0
+        self._epoch = _Epoch(1, self.next_offset)
+        # Messages appended but possibly not yet on disk, for in-process reads.
+        self._tail = collections.deque()
+        self._tail_base = self.next_offset
+        self.written_through = self.next_offset
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+        self.failed = None
+        self.appended = 0
+        self.bytes_appended = 0
+        self.lost_to_retention = 0
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def start(self, loop):
+        self.loop = loop
+        self._thread = threading.Thread(target=self._writer, name="wrenmq-store", daemon=True)
+        self._thread.start()
+
+    def close(self):
+        """Seal what is pending, wait for the writer to finish it, close files."""
+        if self._thread is not None:
+            self.seal()
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if self.log is not None:
+            self.log.close()
+        if self._reader is not None:
+            self._reader.close()
+        self.db.close()
+
+    # --- the event loop side -----------------------------------------------------
+
+    def append(self, msg, packet_id=0):
+        """Give `msg` the next offset and put it in the current epoch.
+
+        `packet_id` is the publisher's id of a QoS 2 message: recovery uses it to
+        recognise a resend of a message that reached the log just before a crash.
+        """
+        off = self.next_offset
+        self.next_offset = off + 1
+        msg.offset = off
+        e = self._epoch
+        if not e.ts and not e.ops and self.on_pending is not None:
+            self.on_pending()
+        e.ts.append(int(msg.timestamp * 1_000_000))
+        e.flags.append(msg.qos | (4 if msg.retain else 0))
+        e.topics.append(msg.topic_bytes)
+        e.clients.append(msg.client_id.encode())
+        e.props.append(properties_block(msg) if msg.properties else _EMPTY)
+        e.payloads.append(msg.payload)
+        e.pids.append(packet_id)
+        if msg.qos:
+            e.durable = True
+        self._tail.append(msg)
+        return off
+
+    def op(self, statement, params, durable=True):
+        """Queue a state change for this epoch; `durable` ones hold output until committed."""
+        e = self._epoch
+        if not e.ts and not e.ops and self.on_pending is not None:
+            self.on_pending()
+        e.ops.append((statement, params))
+        if durable:
+            e.durable = True
+
+    @property
+    def pending(self):
+        e = self._epoch
+        return bool(e.ts or e.ops)
+
+    @property
+    def must_hold(self):
+        """True if output produced in this epoch must wait for it to be durable."""
+        return self.hold_output and self._epoch.durable
+
+    @property
+    def last_sealed(self):
+        return self._last_id
+
+    def seal(self):
+        """Hand the current epoch to the writer; return its id (0 if it was empty)."""
+        e = self._epoch
+        if not e.ts and not e.ops:
+            return 0
+        self._last_id = e.id
+        self._epoch = _Epoch(e.id + 1, self.next_offset)
+        self._queue.put(e)
+        return e.id
+
+    def _written(self, eid, through):
+        """Loop side of the writer's report."""
+        self.durable_id = eid
+        self.written_through = through
+        tail = self._tail
+        base = self._tail_base
+        # Keep only what is not yet readable from disk.
+        while tail and base < through:
+            tail.popleft()
+            base += 1
+        self._tail_base = base
+        if self.on_durable is not None:
+            self.on_durable(eid)
+
+    def _failed(self, exc):
+        self.failed = exc
+        if self.on_error is not None:
+            self.on_error(exc)
+
+    # --- the writer thread -----------------------------------------------------
+
+    def _writer(self):
+        q = self._queue
+        last_sync = time.monotonic()
+        dirty = False
+        stop = False
+        while not stop:
+            try:
+                if self.fsync == "interval" and dirty:
+                    e = q.get(timeout=max(0.0, self.fsync_interval - (time.monotonic() - last_sync)))
+                else:
+                    e = q.get()
+            except queue.Empty:
+                e = False
+            epochs = []
+            retention = None
+            while e is not False:
+                if e is None:
+                    stop = True
+                    break
+                if isinstance(e, tuple):
+                    retention = e[1]
+                else:
+                    epochs.append(e)
+                if len(epochs) >= 256:
+                    break
+                try:
+                    e = q.get_nowait()
+                except queue.Empty:
+                    break
+            try:
+                through = None
+                ops = []
+                for ep in epochs:
+                    if ep.ts and self.log is not None:
+                        data = encode_batch(ep.base, ep.ts, ep.flags, ep.topics, ep.clients, ep.props,
+                                            ep.payloads, ep.pids)
+                        self.log.append(data, ep.base, len(ep.ts), ep.ts[0], max(ep.ts))
+                        self.appended += len(ep.ts)
+                        self.bytes_appended += len(data)
+                        dirty = True
+                    through = ep.base + len(ep.ts)
+                    ops.extend(ep.ops)
+                if through is not None:
+                    # Recovery rescans the log from here for what SQLite may not have seen.
+                    ops.append((META_SET, ("log_through", str(through))))
+                now = time.monotonic()
+                if dirty and self.log is not None and (
+                        self.fsync == "always" or stop or
+                        (self.fsync == "interval" and now - last_sync >= self.fsync_interval)):
+                    self.log.sync()
+                    last_sync = now
+                    dirty = False
+                self.db.apply(ops)
+                if retention is not None:
+                    self._retention(retention)
+            except Exception as exc:  # disk full, I/O error: durability can no longer be promised
+                log.critical("writing to %s failed: %s", self.data_dir, exc)
+                if self.loop is not None:
+                    self.loop.call_soon_threadsafe(self._failed, exc)
+                return
+            if epochs and self.loop is not None:
+                try:
+                    self.loop.call_soon_threadsafe(self._written, epochs[-1].id, through)
+                except RuntimeError:  # loop closed during shutdown
+                    pass
+
+    # --- reading back ------------------------------------------------------------
+
+    def read(self, start, limit):
+        """Up to `limit` messages with offset >= start, as (offset, Message|Record) in order.
+
+        Recent offsets come from memory (they may not be on disk yet), older ones from
+        the log files. Returns records for disk reads (the caller builds messages).
+        """
+        out = []
+        if start >= self.next_offset:
+            return out
+        if start < self._tail_base:
+            reader = self._disk_reader()
+            end = min(self._tail_base, start + limit)
+            for rec in reader.records(start, end):
+                out.append(rec)
+            if not out and reader.start_offset > start:
+                # The segments holding `start` were deleted by retention.
+                return out
+            if out:
+                start = out[-1].offset + 1
+            else:
+                start = end
+        tail = self._tail
+        base = self._tail_base
+        i = max(0, start - base)
+        while i < len(tail) and len(out) < limit:
+            out.append(tail[i])
+            i += 1
+        return out
+
+    def _disk_reader(self):
+        if self._reader is None:
+            self._reader = LogReader(self.log_dir)
+        else:
+            self._reader.refresh()
+        return self._reader
+
+    @property
+    def start_offset(self):
+        if self.log is None:
+            return self.next_offset
+        segs = self.log.segments
+        return segs[0].base if segs else self.next_offset
+
+    def request_retention(self, protect_from):
+        """Ask the writer to apply [log] retention, keeping offsets >= protect_from if it can."""
+        if self.log is not None and self._thread is not None:
+            self._queue.put(("retention", protect_from))
+
+    def _retention(self, protect_from):
+        lg = self.config.log
+        deleted, lost = self.log.enforce_retention(lg.retention_bytes, lg.retention_hours, protect_from,
+                                                   lg.retention_hard_bytes)
+        if lost:
+            self.lost_to_retention += lost

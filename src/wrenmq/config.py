@@ -8,6 +8,7 @@ expected, so a typo never starts a broker with a silently ignored setting.
 
 import dataclasses
 import ipaddress
+import math
 import tomllib
 from dataclasses import dataclass, field
 from typing import get_args, get_origin
@@ -151,6 +152,8 @@ def _check_value(src, path, f, value):
         raise ConfigError(f"{src}: {path}: expected an integer, got {_describe(value)}")
     if typ is not int and not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
         raise ConfigError(f"{src}: {path}: expected {_TYPE_NAMES.get(typ, typ)}, got {_describe(value)}")
+    if typ is float and not math.isfinite(value):
+        raise ConfigError(f"{src}: {path}: expected a finite number, got {value}")
     lo, hi, choices = meta.get("lo"), meta.get("hi"), meta.get("choices")
     if lo is not None and value < lo:
         raise ConfigError(f"{src}: {path}: expected a value >= {lo}, got {value}")

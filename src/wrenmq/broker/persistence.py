@@ -141,12 +141,18 @@ class Persistence:
         self.store.op(S.SUB_DELETE, (session.client_id, flt))
 
     def qos2_in(self, session, pid, add):
-        if add:
-            self.store.op(S.QOS2_IN_ADD, (session.client_id, pid))
-        else:
-            self.store.op(S.QOS2_IN_DELETE, (session.client_id, pid), False)
+        # Both durable: PUBREC must not leave before the id is known to survive a crash,
+        # and PUBCOMP not before its release does (else a crash could make a new message
+        # that reuses the id look like a resend of the old one).
+        self.store.op(S.QOS2_IN_ADD if add else S.QOS2_IN_DELETE, (session.client_id, pid))
 
     def qos2_out(self, session, pid, offset, state):
+        """One row per delivered log offset: its packet id and how far the exchange got.
+
+        States 0 (PUBLISH sent) and 1 (PUBREL sent) are durable before the packet
+        leaves, so a restart resumes the exchange with the same id; 2 (complete) keeps
+        a replay after a crash from delivering the message again.
+        """
         self.store.op(S.QOS2_OUT_SET, (session.client_id, pid, offset, state), state < 2)
 
     def retained_changed(self, msg):

@@ -466,13 +466,12 @@ class Router:
                 return
             restored = session.restored_qos2
             if restored and pid in restored:
-                # Known before a restart. A resend (DUP) is the same message; without DUP
-                # the client must have completed it and reused the id for a new one.
+                # Known from before a restart and not yet released by PUBREL: whatever the
+                # DUP flag says (clients do resend without it), this is the same message.
                 restored.discard(pid)
-                if pkt.dup:
-                    session.incoming_qos2.add(pid)
-                    session.conn.send(bytes((_PUBREC, 2, pid >> 8, pid & 0xFF)))
-                    return
+                session.incoming_qos2.add(pid)
+                session.conn.send(bytes((_PUBREC, 2, pid >> 8, pid & 0xFF)))
+                return
         if qos and session.v5 and len(session.incoming_qos2) >= session.receive_max_in:
             raise MQTTError(C.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
 
@@ -605,7 +604,8 @@ class Router:
             sub = Subscription(flt, qos, t.no_local, t.retain_as_published, t.retain_handling,
                                sub_id, group, session)
             if self.persist is not None:
-                sub.since = self.persist.next_offset
+                # A re-subscription keeps its place: what the old one still owes is owed.
+                sub.since = session.subscriptions[t.filter].since if existed else self.persist.next_offset
                 if session.stored:
                     self.persist.subscribed(session, sub)
             if existed:

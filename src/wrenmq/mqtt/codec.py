@@ -441,6 +441,8 @@ def _decode_suback(flags, data, pos, end, version):
     if flags:
         raise _malformed("SUBACK fixed header flags must be 0")
     pid, pos = _read_u16(data, pos, end)
+    if not pid:
+        raise _malformed("packet identifier 0")
     props = NO_PROPERTIES
     if version == C.MQTT5:
         props, pos = decode_properties(data, pos, end, "T")
@@ -476,6 +478,8 @@ def _decode_unsuback(flags, data, pos, end, version):
     if flags:
         raise _malformed("UNSUBACK fixed header flags must be 0")
     pid, pos = _read_u16(data, pos, end)
+    if not pid:
+        raise _malformed("packet identifier 0")
     props = NO_PROPERTIES
     codes = []
     if version == C.MQTT5:

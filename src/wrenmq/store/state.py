@@ -51,7 +51,7 @@ CREATE TABLE IF NOT EXISTS qos2_out (
     packet_id INTEGER NOT NULL,
     log_offset INTEGER NOT NULL,
     state INTEGER NOT NULL,  -- 0 PUBLISH sent, 1 PUBREC received / PUBREL sent, 2 complete
-    PRIMARY KEY (client_id, packet_id)
+    PRIMARY KEY (client_id, log_offset)
 ) WITHOUT ROWID;
 """
 
@@ -78,7 +78,6 @@ QOS2_IN_ADD = "INSERT OR IGNORE INTO qos2_in (client_id, packet_id) VALUES (?, ?
 QOS2_IN_DELETE = "DELETE FROM qos2_in WHERE client_id=? AND packet_id=?"
 QOS2_OUT_SET = "INSERT OR REPLACE INTO qos2_out (client_id, packet_id, log_offset, state) VALUES (?, ?, ?, ?)"
 QOS2_OUT_GC = "DELETE FROM qos2_out WHERE client_id=? AND state=2 AND log_offset<?"
-QOS2_OUT_DELETE = "DELETE FROM qos2_out WHERE client_id=? AND packet_id=?"
 META_SET = "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)"
 
 

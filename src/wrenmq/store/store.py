@@ -307,17 +307,17 @@ class Store:
             end = min(self._tail_base, start + limit)
             for rec in reader.records(start, end):
                 out.append(rec)
-            if not out and reader.start_offset > start:
-                # The segments holding `start` were deleted by retention.
+            if not out or out[-1].offset + 1 < end:
+                # Retention deleted what was asked for, or the files end early: return
+                # only a contiguous run so the caller never skips a record.
+                if not out and reader.start_offset > start:
+                    return out
                 return out
-            if out:
-                start = out[-1].offset + 1
-            else:
-                start = end
+            start = end
         tail = self._tail
         base = self._tail_base
-        i = max(0, start - base)
-        while i < len(tail) and len(out) < limit:
+        i = start - base
+        while 0 <= i < len(tail) and len(out) < limit:
             out.append(tail[i])
             i += 1
         return out

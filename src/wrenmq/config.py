@@ -152,9 +152,9 @@ def _check_value(src, path, f, value):
         raise ConfigError(f"{src}: {path}: expected an integer, got {_describe(value)}")
     if typ is not int and not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
         raise ConfigError(f"{src}: {path}: expected {_TYPE_NAMES.get(typ, typ)}, got {_describe(value)}")
-    if typ is float and not math.isfinite(value):
-        raise ConfigError(f"{src}: {path}: expected a finite number, got {value}")
     lo, hi, choices = meta.get("lo"), meta.get("hi"), meta.get("choices")
+    if typ is float and (math.isnan(value) or (math.isinf(value) and hi is None)):
+        raise ConfigError(f"{src}: {path}: expected a finite number, got {value}")
     if lo is not None and value < lo:
         raise ConfigError(f"{src}: {path}: expected a value >= {lo}, got {value}")
     if hi is not None and value > hi:

@@ -212,8 +212,11 @@ class Connection(asyncio.Protocol):
     def protocol_error(self, err):
         who = self.session.client_id if self.session is not None else self.address
         log.info("protocol error from %s: %s", who, err)
-        if self.state != _OPEN and isinstance(err, ConnectRefused):
-            self.refuse(err.version, err.reason)
+        if isinstance(err, ConnectRefused):
+            if self.state != _OPEN:
+                self.refuse(err.version, err.reason)
+                return
+            self.close(C.PROTOCOL_ERROR)  # a second CONNECT is a protocol error, whatever is in it
             return
         self.close(err.reason)
 
@@ -240,9 +243,6 @@ class Connection(asyncio.Protocol):
                      C.PACKET_NAMES.get(first.TYPE))
             self.close()
             return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         self.version = first.version
         rest = packets[1:]
         self._connect = first
@@ -270,7 +270,12 @@ class Connection(asyncio.Protocol):
         if hooks.auth_async:
             self.broker.spawn(self._authenticate_async(pkt))
         else:
-            self._auth_done(pkt, hooks.authenticate(self._client_info(pkt), pkt))
+            try:
+                result = hooks.authenticate(self._client_info(pkt), pkt)
+            except Exception:
+                log.exception("authentication hook failed for %s", self.address)
+                result = C.UNSPECIFIED_ERROR
+            self._auth_done(pkt, result)
 
     async def _authenticate_async(self, pkt):
         try:
@@ -343,6 +348,9 @@ class Connection(asyncio.Protocol):
         if result is not None and result is not True:
             self.refuse(pkt.version, int(result))
             return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         session = self.router.connect(self, pkt, pkt.username, auth_props)
         if session is None:
             return
@@ -387,9 +395,14 @@ class Connection(asyncio.Protocol):
 
     def _connect_timeout(self):
         self._timer = None
-        if self.state == _NEW and not self.closing:
+        if self.closing:
+            return
+        if self.state == _NEW:
             log.info("closing %s: no CONNECT within the connect timeout", self.address)
             self.close()
+        elif self.state == _AUTH:
+            log.info("closing %s: authentication not finished within the connect timeout", self.address)
+            self.refuse(self.version, C.NOT_AUTHORIZED)
 
     def _check_keepalive(self):
         self._timer = None

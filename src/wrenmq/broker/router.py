@@ -293,28 +293,37 @@ class Router:
         old.session = None
         self.online -= 1
         session.conn = None
+        session.resend.clear()
         if session.will is not None and (clean or not session.will_delay):
             self._publish_will(session)
         session.will = None
         old.close(C.SESSION_TAKEN_OVER)
 
     def _resume(self, session):
-        """Resend unacknowledged messages in their original order, then the queue."""
-        conn = session.conn
+        """Resend unacknowledged messages in their original order and packet ids (as many
+        as the client's new receive maximum allows, the rest as acks free the window),
+        then the queue."""
         now = self.clock()
         for pid, out in list(session.inflight.items()):
-            if out.released:
-                conn.send(bytes((0x62, 2, pid >> 8, pid & 0xFF)))
-            elif out.msg.expired(now):
+            if not out.released and out.msg.expired(now):
                 del session.inflight[pid]
-            else:
-                self._write_publish(session, out.msg, out.qos, out.retain, out.sub_ids, pid, True)
+        session.resend.extend(session.inflight)
         self.drain(session)
+
+    def _resend(self, session, pid):
+        out = session.inflight.get(pid)
+        if out is None:
+            return
+        if out.released:
+            session.conn.send(bytes((0x62, 2, pid >> 8, pid & 0xFF)))
+        else:
+            self._write_publish(session, out.msg, out.qos, out.retain, out.sub_ids, pid, True)
 
     def connection_lost(self, session, publish_will=True, reason=None):
         """The client's connection closed (any way other than takeover)."""
         session.conn = None
         session.generation += 1
+        session.resend.clear()
         self.online -= 1
         now = self.clock()
         self.hooks.on_disconnect(session, reason)
@@ -369,6 +378,7 @@ class Router:
             self._remove_subscription(session, sub)
         session.subscriptions.clear()
         session.queue.clear()
+        session.resend.clear()
         session.inflight.clear()
         session.incoming_qos2.clear()
         if self.sessions.get(session.client_id) is session:
@@ -446,9 +456,11 @@ class Router:
                 raw = None
         else:
             props = {}
-        if not topic or "+" in topic or "#" in topic:
+        if not topic or "+" in topic or "#" in topic or topic.count("/") >= self.max_levels:
             self._check_topic_name(topic)
         qos = pkt.qos
+        if qos:
+            raw = None  # the received bytes carry the publisher's QoS and packet id
         if qos > self.maximum_qos:
             raise MQTTError(C.QOS_NOT_SUPPORTED, f"QoS {qos} above the maximum {self.maximum_qos}")
         retain = pkt.retain
@@ -518,7 +530,7 @@ class Router:
             del session.inflight[pkt.packet_id]
             if session.stored:
                 self.dirty.add(session)
-            if session.queue or session.resume_from is not None:
+            if session.queue or session.resend or session.resume_from is not None:
                 self.drain(session)
 
     def handle_pubrec(self, session, pkt):
@@ -531,7 +543,7 @@ class Router:
             del session.inflight[pid]
             if session.stored and out.msg.offset >= 0:
                 self.persist.qos2_out(session, pid, out.msg.offset, 2)
-            if session.queue or session.resume_from is not None:
+            if session.queue or session.resend or session.resume_from is not None:
                 self.drain(session)
             return
         if not out.released:
@@ -548,7 +560,7 @@ class Router:
                 self.dirty.add(session)
                 if out.msg.offset >= 0:
                     self.persist.qos2_out(session, pkt.packet_id, out.msg.offset, 2)
-            if session.queue or session.resume_from is not None:
+            if session.queue or session.resend or session.resume_from is not None:
                 self.drain(session)
 
     def handle_pingreq(self, session, pkt):
@@ -800,6 +812,12 @@ class Router:
         queue = session.queue
         inflight = session.inflight
         now = self.clock()
+        resend = session.resend
+        while resend and conn is not None and not conn.congested and \
+                len(inflight) - len(resend) < session.send_quota:
+            self._resend(session, resend.popleft())
+        if resend:
+            return
         if not queue and session.resume_from is not None and conn is not None:
             self.catch_up(session)
         while queue and conn is not None and not conn.congested:

@@ -59,7 +59,7 @@ class Session:
         "send_quota", "max_packet_out", "alias_in", "alias_out", "alias_out_max",
         "topic_alias_in_max", "receive_max_in", "username", "address", "connected_at",
         "dropped", "generation", "request_problem_info", "listener", "stored", "resume_from",
-        "skip_offsets", "restored_qos2", "match_cache", "cursor_saved",
+        "skip_offsets", "restored_qos2", "match_cache", "cursor_saved", "resend",
     )
 
     def __init__(self, client_id):
@@ -75,6 +75,7 @@ class Session:
         self.will_at = None  # monotonic deadline of a delayed will
         self.inflight = {}  # packet id -> Outgoing, in send order
         self.queue = deque()  # Outgoing waiting for a window slot or for the client
+        self.resend = deque()  # packet ids in `inflight` still to be resent after a reconnect
         self.incoming_qos2 = set()  # packet ids PUBRECed, waiting for PUBREL
         self.next_pid = 1
         # Per-connection limits, reset on every CONNECT.

@@ -54,11 +54,6 @@ class Persistence:
             self._logged[topic] = r
         return r
 
-    def append(self, msg, packet_id=0):
-        store = self.store
-        if store.log is not None and self.logged(msg.topic):
-            store.append(msg, packet_id)
-
     def read(self, start, limit):
         return self.store.read(start, limit)
 

@@ -688,9 +688,13 @@ class Router:
             msg = hooks.on_publish(msg.origin, msg)
             if msg is None:
                 return False
+        topic = msg.topic
+        hit = self._matches.get(topic)
+        if hit is None:
+            hit = self._match(topic)
         persist = self.persist
-        if persist is not None:
-            persist.append(msg, packet_id)
+        if hit[2]:
+            persist.store.append(msg, packet_id)
         if msg.retain:
             if msg.payload:
                 self.retained.set(msg.topic, msg)
@@ -698,7 +702,7 @@ class Router:
                 self.retained.delete(msg.topic)
             if persist is not None:
                 persist.retained_changed(msg)
-        return self.route(msg)
+        return self.route(msg, hit)
 
     def _match(self, topic):
         agg = {}
@@ -717,19 +721,21 @@ class Router:
                     e[3] = e[3] and sub.no_local
         normal = tuple((s, q, rap, tuple(sorted(ids)), nl) for s, (q, rap, ids, nl) in agg.items())
         groups = tuple(g for values in self.shared.match(topic) for g in values.values())
-        result = (normal, groups)
+        persist = self.persist
+        logged = persist is not None and persist.store.log is not None and persist.logged(topic)
+        result = (normal, groups, logged)
         if len(self._matches) > 100_000:
             self._matches.clear()
         self._matches[topic] = result
         return result
 
-    def route(self, msg):
+    def route(self, msg, hit=None):
         """Deliver `msg` to every matching session; True if there was at least one."""
-        topic = msg.topic
-        hit = self._matches.get(topic)
         if hit is None:
-            hit = self._match(topic)
-        normal, groups = hit
+            hit = self._matches.get(msg.topic)
+            if hit is None:
+                hit = self._match(msg.topic)
+        normal, groups, _ = hit
         if not normal and not groups:
             return False
         mqos = msg.qos

@@ -50,21 +50,31 @@ def parse_properties_block(block):
 
 
 class _Epoch:
-    __slots__ = ("id", "base", "ts", "flags", "topics", "clients", "props", "payloads", "pids", "ops",
-                 "durable")
+    """What one loop turn produced: messages for the log (offsets base..), state operations."""
+
+    __slots__ = ("id", "base", "msgs", "pids", "ops", "durable")
 
     def __init__(self, eid, base):
         self.id = eid
         self.base = base
-        self.ts = []
-        self.flags = []
-        self.topics = []
-        self.clients = []
-        self.props = []
-        self.payloads = []
+        self.msgs = []
         self.pids = []
         self.ops = []
         self.durable = False
+
+    def encode(self, client_bytes):
+        """The epoch's messages as one log batch (run on the writer thread)."""
+        msgs = self.msgs
+        ts = [int(m.timestamp * 1_000_000) for m in msgs]
+        data = encode_batch(
+            self.base, ts,
+            [m.qos | 4 if m.retain else m.qos for m in msgs],
+            [m.topic_bytes for m in msgs],
+            [client_bytes(m.client_id) for m in msgs],
+            [properties_block(m) if m.properties else _EMPTY for m in msgs],
+            [m.payload for m in msgs],
+            self.pids)
+        return data, ts[0], max(ts)
 
 
 def node_id_for(data_dir, configured):
@@ -114,9 +124,9 @@ class Store:
         self._last_id = 0
         self.durable_id = 0
         self._epoch = _Epoch(1, self.next_offset)
-        # Messages appended but possibly not yet on disk, for in-process reads.
+        # Epochs whose messages may not be on disk yet, for in-process reads.
         self._tail = collections.deque()
-        self._tail_base = self.next_offset
+        self._client_bytes = {}
         self.written_through = self.next_offset
         self._queue = queue.SimpleQueue()
         self._thread = None
@@ -157,24 +167,28 @@ class Store:
         self.next_offset = off + 1
         msg.offset = off
         e = self._epoch
-        if not e.ts and not e.ops and self.on_pending is not None:
-            self.on_pending()
-        e.ts.append(int(msg.timestamp * 1_000_000))
-        e.flags.append(msg.qos | (4 if msg.retain else 0))
-        e.topics.append(msg.topic_bytes)
-        e.clients.append(msg.client_id.encode())
-        e.props.append(properties_block(msg) if msg.properties else _EMPTY)
-        e.payloads.append(msg.payload)
+        if not e.msgs:
+            if not e.ops and self.on_pending is not None:
+                self.on_pending()
+            self._tail.append(e)
+        e.msgs.append(msg)
         e.pids.append(packet_id)
         if msg.qos:
             e.durable = True
-        self._tail.append(msg)
         return off
+
+    def _client_id_bytes(self, cid):
+        b = self._client_bytes.get(cid)
+        if b is None:
+            if len(self._client_bytes) > 100_000:
+                self._client_bytes.clear()
+            b = self._client_bytes[cid] = cid.encode()
+        return b
 
     def op(self, statement, params, durable=True):
         """Queue a state change for this epoch; `durable` ones hold output until committed."""
         e = self._epoch
-        if not e.ts and not e.ops and self.on_pending is not None:
+        if not e.msgs and not e.ops and self.on_pending is not None:
             self.on_pending()
         e.ops.append((statement, params))
         if durable:
@@ -183,7 +197,7 @@ class Store:
     @property
     def pending(self):
         e = self._epoch
-        return bool(e.ts or e.ops)
+        return bool(e.msgs or e.ops)
 
     @property
     def must_hold(self):
@@ -197,7 +211,7 @@ class Store:
     def seal(self):
         """Hand the current epoch to the writer; return its id (0 if it was empty)."""
         e = self._epoch
-        if not e.ts and not e.ops:
+        if not e.msgs and not e.ops:
             return 0
         self._last_id = e.id
         self._epoch = _Epoch(e.id + 1, self.next_offset)
@@ -209,12 +223,9 @@ class Store:
         self.durable_id = eid
         self.written_through = through
         tail = self._tail
-        base = self._tail_base
-        # Keep only what is not yet readable from disk.
-        while tail and base < through:
+        # Keep only epochs not yet readable from disk.
+        while tail and tail[0] is not self._epoch and tail[0].base + len(tail[0].msgs) <= through:
             tail.popleft()
-            base += 1
-        self._tail_base = base
         if self.on_durable is not None:
             self.on_durable(eid)
 
@@ -258,14 +269,14 @@ class Store:
                 through = None
                 ops = []
                 for ep in epochs:
-                    if ep.ts and self.log is not None:
-                        data = encode_batch(ep.base, ep.ts, ep.flags, ep.topics, ep.clients, ep.props,
-                                            ep.payloads, ep.pids)
-                        self.log.append(data, ep.base, len(ep.ts), ep.ts[0], max(ep.ts))
-                        self.appended += len(ep.ts)
+                    n = len(ep.msgs)
+                    if n and self.log is not None:
+                        data, first_ts, max_ts = ep.encode(self._client_id_bytes)
+                        self.log.append(data, ep.base, n, first_ts, max_ts)
+                        self.appended += n
                         self.bytes_appended += len(data)
                         dirty = True
-                    through = ep.base + len(ep.ts)
+                    through = ep.base + n
                     ops.extend(ep.ops)
                 if through is not None:
                     # Recovery rescans the log from here for what SQLite may not have seen.
@@ -302,24 +313,28 @@ class Store:
         out = []
         if start >= self.next_offset:
             return out
-        if start < self._tail_base:
+        tail = self._tail
+        mem_base = tail[0].base if tail else self.next_offset
+        if start < mem_base:
             reader = self._disk_reader()
-            end = min(self._tail_base, start + limit)
+            end = min(mem_base, start + limit)
             for rec in reader.records(start, end):
                 out.append(rec)
             if not out or out[-1].offset + 1 < end:
                 # Retention deleted what was asked for, or the files end early: return
                 # only a contiguous run so the caller never skips a record.
-                if not out and reader.start_offset > start:
-                    return out
                 return out
             start = end
-        tail = self._tail
-        base = self._tail_base
-        i = start - base
-        while 0 <= i < len(tail) and len(out) < limit:
-            out.append(tail[i])
-            i += 1
+        for ep in list(tail):
+            if len(out) >= limit:
+                break
+            n = len(ep.msgs)
+            if ep.base + n <= start:
+                continue
+            i = start - ep.base
+            take = ep.msgs[i:i + limit - len(out)]
+            out.extend(take)
+            start += len(take)
         return out
 
     def _disk_reader(self):

@@ -143,12 +143,25 @@ class Batch:
         self._cols = cols
         return cols
 
+    def data_size(self):
+        """The batch size its columns imply (header + columns + data, padded to 8).
+
+        Equals `size` for a sound batch; differs when the header's length field is damaged.
+        """
+        end = self.columns()["payload"][1] - self.pos
+        return end + (-end % 8)
+
     def _array(self, name, code):
         s, e = self.columns()[name]
         return memoryview(self.buf)[s:e].cast("B").cast(code)
 
     def records(self, check_records=False):
-        """Yield Record objects (the per-record path: CLI, broker catch-up, salvage)."""
+        """Yield Record objects (the per-record path: CLI, broker catch-up, salvage).
+
+        With `check_records` (salvaging a batch whose CRC failed) a record is yielded
+        only if its CRC checks out and the fields its CRC does not cover look sound
+        (flags, a timestamp within the batch's range); otherwise a BadRecord stands in.
+        """
         buf = self.buf
         cols = self.columns()
         ts = self._array("timestamps", "q")
@@ -159,15 +172,25 @@ class Batch:
         tb, cb, pb, yb = (cols[k][0] for k in ("topic", "client", "props", "payload"))
         mv = memoryview(buf)
         crc32 = zlib.crc32
+        if check_records:
+            # The record CRC covers topic, client id, properties and payload only; the
+            # timestamp and flags of a record in a damaged batch must at least be plausible
+            # (records of one batch come from one group commit, so their times are close).
+            hi = self.max_ts
+            lo = self.first_ts - max(0, hi - self.first_ts) - 1_000_000
         for i in range(self.count):
             topic = bytes(mv[tb + to[i]:tb + to[i + 1]])
             client = bytes(mv[cb + co[i]:cb + co[i + 1]])
             props = bytes(mv[pb + po[i]:pb + po[i + 1]])
             payload = bytes(mv[yb + yo[i]:yb + yo[i + 1]])
-            if check_records and crc32(payload, crc32(props, crc32(client, crc32(topic)))) != crcs[i]:
+            f = flags[i]
+            if check_records and (
+                    crc32(payload, crc32(props, crc32(client, crc32(topic)))) != crcs[i]
+                    or f & ~7 or f & 3 == 3 or not lo <= ts[i] <= hi
+                    or (i == 0 and ts[0] != self.first_ts)
+                    or to[i] > to[i + 1] or co[i] > co[i + 1] or po[i] > po[i + 1] or yo[i] > yo[i + 1]):
                 yield BadRecord(self.base + i)
                 continue
-            f = flags[i]
             yield Record(self.base + i, ts[i], f & 3, bool(f & 4), topic.decode("utf-8", "replace"),
                          client.decode("utf-8", "replace"), props, payload, pids[i])
 

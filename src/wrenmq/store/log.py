@@ -6,12 +6,18 @@ A partition is a directory of segments named by their base offset, Kafka style:
     00000000000000000000.index      (u32 relative offset, u32 position) per ~4 KiB of log
     00000000000000000000.timeindex  (i64 max timestamp so far, u32 relative offset, u32 0)
 
+The time index entry of a batch holds the largest timestamp of that batch and of
+every batch before it in the segment, so "the first record with timestamp >= t"
+is found exactly even when clocks step back.
+
 `LogReader` reads a partition (in the broker, the CLI or a Spark worker) and
 never trusts what it reads: every batch is checked against its CRC, a damaged
 batch is salvaged record by record and the bad records are skipped and
-reported, never served. `CommitLog` adds the writer side: recovery on open
-(a torn or corrupt tail is truncated and reported, stale or missing indexes
-rebuilt), appends, segment rolling, syncing and retention.
+reported, never served; after bytes that hold no readable batch the reader
+resumes at the next intact batch (found by its magic and CRC, at the latest the
+next index entry). `CommitLog` adds the writer side: recovery on open (a torn or
+corrupt tail is truncated and reported, stale or missing indexes rebuilt),
+appends, segment rolling, syncing and retention.
 """
 
 import bisect
@@ -22,11 +28,12 @@ import struct
 import time
 from array import array
 
-from .format import Batch, BadRecord, CorruptBatch, Record, read_prefix
+from .format import HEADER, HEADER_SIZE, MAGIC, Batch, BadRecord, CorruptBatch, Record, read_prefix
 
 log = logging.getLogger("wrenmq.store")
 
 _SEGMENT_RE = re.compile(r"^(\d{20})\.log$")
+_AUX_RE = re.compile(r"^(\d{20})\.(?:index|timeindex)(?:\.tmp)?$")
 _INDEX_ENTRY = struct.Struct("<II")
 _TIME_ENTRY = struct.Struct("<qII")
 _READ_CHUNK = 1 << 20
@@ -40,21 +47,24 @@ class Segment:
     """One segment's files and what is known about them."""
 
     __slots__ = ("dir", "base", "size", "next_offset", "first_ts", "max_ts", "index_offsets",
-                 "index_positions", "time_ts", "time_offsets", "last_indexed_pos", "sealed")
+                 "index_positions", "time_ts", "time_offsets", "last_indexed_pos", "sealed",
+                 "scanned", "index_ok")
 
     def __init__(self, directory, base):
         self.dir = directory
         self.base = base
-        self.size = 0
-        self.next_offset = base
+        self.sealed = False
+        self.forget()
+
+    def forget(self):
+        """Drop everything learned about the segment's contents."""
+        self.size = 0  # bytes of complete batches (readable or not) from the start of the file
+        self.next_offset = self.base
         self.first_ts = None
         self.max_ts = None
-        self.index_offsets = array("q")  # absolute offsets of indexed batches
-        self.index_positions = array("q")
-        self.time_ts = array("q")
-        self.time_offsets = array("q")
-        self.last_indexed_pos = -1
-        self.sealed = False
+        self.scanned = -1  # file size when last described; -1: never
+        self.index_ok = False  # the index files on disk matched what was found
+        self.reset_index()
 
     @property
     def log_path(self):
@@ -68,23 +78,30 @@ class Segment:
     def time_path(self):
         return os.path.join(self.dir, segment_name(self.base) + ".timeindex")
 
+    def read_index(self):
+        """The raw (index, timeindex) file contents; None for a missing file."""
+        out = []
+        for path in (self.index_path, self.time_path):
+            try:
+                with open(path, "rb") as fh:
+                    out.append(fh.read())
+            except FileNotFoundError:
+                out.append(None)
+        return out
+
     def load_index(self, log_size):
         """Read the index files; return False if missing or inconsistent with the log."""
-        try:
-            with open(self.index_path, "rb") as fh:
-                raw = fh.read()
-            with open(self.time_path, "rb") as fh:
-                traw = fh.read()
-        except FileNotFoundError:
+        raw, traw = self.read_index()
+        if not raw or traw is None or len(raw) % _INDEX_ENTRY.size or len(traw) % _TIME_ENTRY.size:
             return False
-        if not raw or len(raw) % _INDEX_ENTRY.size or len(traw) % _TIME_ENTRY.size:
+        if len(traw) // _TIME_ENTRY.size != len(raw) // _INDEX_ENTRY.size:
             return False
         offs = array("q")
         poss = array("q")
         for rel, pos in _INDEX_ENTRY.iter_unpack(raw):
             if poss and (pos <= poss[-1] or self.base + rel <= offs[-1]):
                 return False
-            if pos >= log_size:
+            if pos >= log_size or pos % 8:
                 return False
             offs.append(self.base + rel)
             poss.append(pos)
@@ -92,8 +109,8 @@ class Segment:
             return False
         tts = array("q")
         toffs = array("q")
-        for ts, rel, _ in _TIME_ENTRY.iter_unpack(traw):
-            if toffs and (ts < tts[-1] or self.base + rel < toffs[-1]):
+        for i, (ts, rel, _) in enumerate(_TIME_ENTRY.iter_unpack(traw)):
+            if (tts and ts < tts[-1]) or self.base + rel != offs[i]:
                 return False
             tts.append(ts)
             toffs.append(self.base + rel)
@@ -110,7 +127,10 @@ class Segment:
         self.last_indexed_pos = -1
 
     def add_index_entry(self, batch_base, pos, max_ts, interval):
-        """Record an index entry for a batch at `pos` if due; return the entry bytes written."""
+        """Record an index entry for a batch at `pos` if due; return the entry bytes written.
+
+        `max_ts`: the largest timestamp of this batch and of every batch before it.
+        """
         if self.last_indexed_pos >= 0 and pos - self.last_indexed_pos < interval:
             return None
         self.index_offsets.append(batch_base)
@@ -122,18 +142,24 @@ class Segment:
         return (_INDEX_ENTRY.pack(batch_base - self.base, pos),
                 _TIME_ENTRY.pack(ts, batch_base - self.base, 0))
 
-    def position_for(self, offset):
-        """Position of the last indexed batch starting at or before `offset`."""
-        i = bisect.bisect_right(self.index_offsets, offset) - 1
-        return self.index_positions[i] if i >= 0 else 0
+    def index_bytes(self):
+        """The index and time index files as they should be for the entries in memory."""
+        b = self.base
+        idx = b"".join(_INDEX_ENTRY.pack(o - b, p) for o, p in zip(self.index_offsets, self.index_positions))
+        tidx = b"".join(_TIME_ENTRY.pack(t, o - b, 0) for t, o in zip(self.time_ts, self.time_offsets))
+        return idx, tidx
 
-    def position_for_time(self, ts):
-        """Position of an indexed batch before the first one whose max timestamp reaches ts."""
-        i = bisect.bisect_left(self.time_ts, ts) - 1
+    def position_for(self, offset):
+        """(position, offset) of the last indexed batch starting at or before `offset`."""
+        i = bisect.bisect_right(self.index_offsets, offset) - 1
         if i < 0:
-            return 0
-        off = self.time_offsets[i]
-        return self.position_for(off)
+            return 0, self.base
+        return self.index_positions[i], self.index_offsets[i]
+
+    def offset_for_time(self, ts):
+        """An offset at or before this segment's first record with timestamp >= ts."""
+        i = bisect.bisect_left(self.time_ts, ts) - 1
+        return self.time_offsets[i] if i >= 0 else self.base
 
     def next_index_position_after(self, pos):
         i = bisect.bisect_right(self.index_positions, pos)
@@ -149,62 +175,236 @@ def _list_segments(directory):
     return bases
 
 
-def scan_batches(fd, start, end, verify=True):
-    """Yield (pos, Batch | CorruptBatch) for the batches in [start, end) of an open file.
+# --- walking a segment file ---------------------------------------------------------
 
-    Stops at the first position that is not a batch start (returning there) or at a
-    batch that runs past `end`. Reads in 1 MiB chunks.
+
+class Salvaged:
+    """A batch whose CRC failed but whose structure held, checked record by record."""
+
+    __slots__ = ("pos", "size", "base", "count", "good", "bad", "reason")
+
+    def __init__(self, pos, size, base, count, good, bad, reason):
+        self.pos = pos
+        self.size = size
+        self.base = base
+        self.count = count
+        self.good = good  # Records that check out
+        self.bad = bad  # offsets of those that do not
+        self.reason = reason
+
+    @property
+    def next_offset(self):
+        return self.base + self.count
+
+    @property
+    def first_ts(self):
+        return self.good[0].timestamp if self.good else None
+
+    @property
+    def max_ts(self):
+        return max((r.timestamp for r in self.good), default=None)
+
+
+class Damage:
+    """Bytes [pos, end) of a segment file that hold no readable batch."""
+
+    __slots__ = ("pos", "end", "reason")
+
+    def __init__(self, pos, end, reason):
+        self.pos = pos
+        self.end = end
+        self.reason = reason
+
+    def __repr__(self):
+        return f"Damage({self.pos}-{self.end}: {self.reason})"
+
+
+def _salvage(buf, rel, pos, size, expect):
+    """What can be saved of the batch at buf[rel:rel+size] whose CRC failed.
+
+    A Salvaged, a Damage covering the batch (its base offset cannot be trusted), or
+    None if its structure does not hold (then where the next batch starts is unknown).
     """
-    pos = start
+    try:
+        b = Batch(buf, rel, verify=False)
+        true_size = b.data_size()
+        if true_size > size:  # pragma: no cover - columns() refuses this
+            return None
+        if expect is not None and b.base != expect:
+            return Damage(pos, pos + true_size, f"batch CRC mismatch and its base offset {b.base} "
+                                                f"does not follow offset {expect - 1}")
+        good = []
+        bad = []
+        for r in b.records(check_records=True):
+            if isinstance(r, BadRecord):
+                bad.append(r.offset)
+            else:
+                good.append(r)
+    except CorruptBatch:
+        return None
+    reason = "batch CRC mismatch"
+    if true_size != size:
+        reason += f" (its length field says {size} bytes, its columns {true_size})"
+    return Salvaged(pos, true_size, b.base, b.count, good, bad, reason)
+
+
+def find_batch(fd, start, limit, end, expect=None):
+    """The first 8-aligned position in [start, limit) where an intact batch begins.
+
+    Intact: magic, a sane length within `end`, a good CRC and (if `expect` is given)
+    a base offset >= expect. None if there is none.
+    """
+    pos = start + (-start % 8)
+    while pos < limit:
+        n = min(_READ_CHUNK, limit - pos)
+        chunk = os.pread(fd, n + 8, pos)
+        if not chunk:
+            return None
+        i = chunk.find(MAGIC)
+        while 0 <= i < n:
+            if not i % 8:
+                cand = pos + i
+                head = chunk if len(chunk) - i >= 8 else os.pread(fd, 8, cand)
+                size = read_prefix(head, i if head is chunk else 0)
+                if size is not None and cand + size <= end:
+                    data = os.pread(fd, size, cand)
+                    if len(data) == size:
+                        try:
+                            b = Batch(data, 0)
+                        except CorruptBatch:
+                            pass
+                        else:
+                            if expect is None or b.base >= expect:
+                                return cand
+            i = chunk.find(MAGIC, i + 1)
+        pos += n
+    return None
+
+
+def walk(fd, pos, end, expect=None, bound=None):
+    """Yield (position, item) for what lies in [pos, end) of an open segment file.
+
+    item is a CRC-checked `Batch`, a `Salvaged` batch (its CRC failed but its
+    structure held: the records that check out and the offsets that do not) or a
+    `Damage` (bytes holding no readable batch). After damage the walk resumes at
+    the next intact batch with a base >= the expected offset, searched up to
+    `bound(pos)` (a known batch start such as the next index entry; the walk
+    resumes there if nothing is found before) or else up to `end`. A Damage
+    reaching `end` is a torn tail (or a batch still being written). `expect` is the
+    base offset the first batch should have, if known.
+    """
     buf = b""
-    buf_pos = start
+    buf_pos = pos
     while pos < end:
         rel = pos - buf_pos
-        if len(buf) - rel < 8:
-            buf = os.pread(fd, max(_READ_CHUNK, 8), pos)
+        if rel < 0 or len(buf) - rel < HEADER_SIZE:
+            buf = os.pread(fd, min(_READ_CHUNK, end - pos), pos)
             buf_pos = pos
             rel = 0
-            if len(buf) < 8:
-                return
         size = read_prefix(buf, rel)
         if size is None:
-            yield pos, CorruptBatch(f"no batch header at position {pos}")
-            return
-        if pos + size > end:
-            return
-        if len(buf) - rel < size:
-            buf = os.pread(fd, max(_READ_CHUNK, size), pos)
-            buf_pos = pos
-            rel = 0
-            if len(buf) < size:
-                return
-        try:
-            if rel == 0 and size == len(buf):
-                batch = Batch(buf, 0, verify)
-            else:
-                batch = Batch(buf[rel:rel + size], 0, verify)
-        except CorruptBatch as e:
-            e.size = size
-            yield pos, e
+            reason = "no batch header" if len(buf) - rel >= 8 else "incomplete batch header"
+        elif pos + size > end:
+            reason = f"batch of {size} bytes runs past the end of the data"
         else:
-            yield pos, batch
-        pos += size
+            if len(buf) - rel < size:
+                buf = os.pread(fd, min(max(_READ_CHUNK, size), end - pos), pos)
+                buf_pos = pos
+                rel = 0
+            if len(buf) < size:
+                reason = "the file ends inside the batch"
+            else:
+                try:
+                    b = Batch(buf, rel)
+                except CorruptBatch as e:
+                    item = _salvage(buf, rel, pos, size, expect)
+                    if isinstance(item, Salvaged):
+                        yield pos, item
+                        expect = item.next_offset
+                        pos += item.size
+                        continue
+                    if isinstance(item, Damage):
+                        yield pos, item
+                        pos = item.end
+                        continue
+                    reason = f"{e}; its structure is damaged too"
+                else:
+                    if expect is not None and b.base < expect:
+                        # Intact, but its offsets go backwards: a stale copy, not the log.
+                        yield pos, Damage(pos, pos + size, f"an intact batch of offsets {b.base}-"
+                                                           f"{b.base + b.count - 1} where offset {expect} "
+                                                           f"should follow (a stale copy)")
+                        pos += size
+                        continue
+                    yield pos, b
+                    expect = b.base + b.count
+                    pos += size
+                    continue
+        limit = end
+        if bound is not None:
+            nb = bound(pos)
+            if nb is not None and nb < limit:
+                limit = nb
+        nxt = find_batch(fd, pos + 8, limit, end, expect)
+        if nxt is None:
+            nxt = limit
+        yield pos, Damage(pos, nxt, reason)
+        pos = nxt
+        buf = b""
+
+
+class _OffsetSet:
+    """A set of offsets as sorted, disjoint [start, end) ranges."""
+
+    def __init__(self):
+        self.starts = []
+        self.ends = []
+        self.total = 0
+
+    def add(self, a, b):
+        """Add [a, b); return how many of its offsets were not in the set yet."""
+        if a >= b:
+            return 0
+        i = bisect.bisect_left(self.ends, a)
+        j = bisect.bisect_right(self.starts, b)
+        covered = 0
+        na, nb = a, b
+        for k in range(i, j):
+            covered += max(0, min(self.ends[k], b) - max(self.starts[k], a))
+            na = min(na, self.starts[k])
+            nb = max(nb, self.ends[k])
+        self.starts[i:j] = [na]
+        self.ends[i:j] = [nb]
+        new = (b - a) - covered
+        self.total += new
+        return new
+
+
+# --- reading ----------------------------------------------------------------------------
 
 
 class LogReader:
-    """Reads one partition directory; safe to use while a writer appends."""
+    """Reads one partition directory; safe to use while a writer (here or in another
+    process) appends, truncates or deletes segments."""
+
+    index_interval = 4096  # for the in-memory index a reader keeps of what it scanned
 
     def __init__(self, directory):
         self.dir = str(directory)
         self.segments = []
-        self.corrupt_records = 0
-        self._fds = {}
+        self._lost = _OffsetSet()
+        self._noted = set()
         self.refresh()
+
+    @property
+    def corrupt_records(self):
+        """How many distinct offsets this reader found unreadable (skipped, never served)."""
+        return self._lost.total
 
     # --- discovery ---------------------------------------------------------
 
     def refresh(self):
-        """Pick up new segments and drop deleted ones (another process may be writing)."""
+        """Pick up new segments and appended data, drop deleted segments."""
         known = {s.base: s for s in self.segments}
         segments = []
         for base in _list_segments(self.dir):
@@ -213,48 +413,67 @@ class LogReader:
                 seg = Segment(self.dir, base)
             try:
                 size = os.path.getsize(seg.log_path)
+                if size != seg.scanned:
+                    self._describe(seg, size)
             except FileNotFoundError:
                 continue
-            if size != seg.size or seg.next_offset == seg.base:
-                self._describe(seg, size)
             segments.append(seg)
-        for base in set(known) - {s.base for s in segments}:
-            fd = self._fds.pop(base, None)
-            if fd is not None:
-                os.close(fd)
         self.segments = segments
 
-    def _describe(self, seg, size):
-        """Learn a segment's complete size, next offset and time range from its files."""
-        if seg.last_indexed_pos < 0 or seg.last_indexed_pos >= size:
-            if not seg.load_index(size):
-                seg.reset_index()
-        fd = self._fd(seg)
-        start = seg.last_indexed_pos if seg.last_indexed_pos >= 0 else 0
-        if seg.first_ts is None:
-            for _, b in scan_batches(fd, 0, size, verify=False):
-                if isinstance(b, Batch):
-                    seg.first_ts = b.first_ts
-                break
-        pos = start
-        for pos, b in scan_batches(fd, start, size, verify=False):
-            if isinstance(b, CorruptBatch):
-                break
-            seg.next_offset = b.next_offset
-            seg.max_ts = b.max_ts if seg.max_ts is None else max(seg.max_ts, b.max_ts)
-            pos += b.size
-        seg.size = max(pos, seg.size) if pos <= size else seg.size
+    def _open(self, seg):
+        # Each use opens its own descriptor: nothing stays open per segment (a log can
+        # have thousands), and a segment deleted meanwhile stays readable until closed.
+        return os.open(seg.log_path, os.O_RDONLY)
 
-    def _fd(self, seg):
-        fd = self._fds.get(seg.base)
-        if fd is None:
-            fd = self._fds[seg.base] = os.open(seg.log_path, os.O_RDONLY)
-        return fd
+    def _describe(self, seg, size):
+        """Learn a segment's extent (complete size, next offset, time range) from its files."""
+        if seg.scanned < 0 or size < seg.scanned or size < seg.size:
+            # First look, or the file shrank (a recovering writer truncated it): start over.
+            seg.forget()
+            seg.index_ok = seg.load_index(size)
+        fd = self._open(seg)
+        try:
+            if seg.scanned < 0 and seg.index_ok:
+                loaded = len(seg.index_offsets)
+                seg.max_ts = seg.time_ts[-1]
+                seg.first_ts = _first_ts(fd, size)
+                if not self._extend(seg, fd, seg.last_indexed_pos, size, seg.index_offsets[-1], True):
+                    # The last index entry does not lead to its batch: the index is stale.
+                    seg.forget()
+                    self._extend(seg, fd, 0, size, seg.base)
+                elif len(seg.index_offsets) != loaded:
+                    seg.index_ok = False  # batches the index files lack
+            else:
+                self._extend(seg, fd, seg.size, size, seg.next_offset)
+        finally:
+            os.close(fd)
+        seg.scanned = size
+
+    def _extend(self, seg, fd, start, size, expect, strict=False):
+        """Walk [start, size) adding what is found to `seg`.
+
+        With `strict`, return False if `start` does not hold the batch `expect` begins.
+        """
+        first = True
+        for pos, item in walk(fd, start, size, expect):
+            if strict and first and (isinstance(item, Damage) or item.base != expect):
+                return False
+            first = False
+            if isinstance(item, Damage):
+                continue  # a tail reaching `size` stays outside seg.size
+            mts = item.max_ts
+            if mts is not None:
+                seg.max_ts = mts if seg.max_ts is None else max(seg.max_ts, mts)
+            if seg.first_ts is None:
+                seg.first_ts = item.first_ts
+            seg.add_index_entry(item.base, pos, seg.max_ts if seg.max_ts is not None else 0,
+                                self.index_interval)
+            seg.next_offset = max(seg.next_offset, item.base + item.count)
+            seg.size = pos + item.size
+        return True
 
     def close(self):
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        """Nothing is held open between calls; kept for symmetry with CommitLog."""
 
     @property
     def start_offset(self):
@@ -272,70 +491,89 @@ class LogReader:
         return max(0, bisect.bisect_right(bases, offset) - 1)
 
     def batches(self, start=0, end=None):
-        """Yield Batch objects (CRC-checked) or lists of salvaged Records, covering [start, end).
+        """Yield CRC-checked Batch objects, or lists of salvaged Records, covering [start, end).
 
-        Batches may begin before `start`; callers trim. Damaged records are skipped,
-        counted in `corrupt_records` and logged.
+        Batches may begin before `start`; callers trim. Records that cannot be read are
+        skipped, never served; they are counted in `corrupt_records` and logged once.
         """
-        if not self.segments:
+        segs = self.segments
+        if not segs:
             return
-        for si in range(self._segment_index(start), len(self.segments)):
-            seg = self.segments[si]
+        expect = max(start, segs[0].base)
+        for si in range(self._segment_index(expect), len(segs)):
+            seg = segs[si]
             if end is not None and seg.base >= end:
                 return
-            if seg.next_offset <= start:
+            seg_end = segs[si + 1].base if si + 1 < len(segs) else seg.next_offset
+            if seg_end <= expect:
                 continue
-            fd = self._fd(seg)
-            pos = seg.position_for(start) if start > seg.base else 0
-            limit = seg.size
-            while pos < limit:
-                resume = None
-                for bpos, b in scan_batches(fd, pos, limit):
-                    if isinstance(b, Batch):
-                        if b.next_offset > start:
-                            yield b
-                        if end is not None and b.next_offset >= end:
-                            return
-                        continue
-                    resume = self._damaged(seg, fd, bpos, b)
-                    if isinstance(resume, tuple):
-                        salvaged, resume = resume
-                        if salvaged:
-                            yield salvaged
-                    break
-                else:
-                    break
-                if resume is None:
-                    break
-                pos = resume
-
-    def _damaged(self, seg, fd, pos, err):
-        """Handle a bad batch at `pos`: salvage what checks out; return where to go on."""
-        size = getattr(err, "size", None)
-        if size is not None:
-            raw = os.pread(fd, size, pos)
+            if seg.base > expect:
+                self._skipped(seg, None, expect, seg.base, end)
+                expect = seg.base
+            pos, at = seg.position_for(expect)
             try:
-                batch = Batch(raw, 0, verify=False)
-                good = []
-                bad = []
-                for r in batch.records(check_records=True):
-                    (bad if isinstance(r, BadRecord) else good).append(r)
-                if bad:
-                    self.corrupt_records += len(bad)
-                    log.error("%s: batch at position %d failed its CRC; skipped %d damaged record(s) "
-                              "(offsets %s), kept %d", seg.log_path, pos, len(bad),
-                              _ranges([r.offset for r in bad]), len(good))
-                else:
-                    log.error("%s: batch at position %d failed its CRC but every record checks out; "
-                              "serving its %d records", seg.log_path, pos, len(good))
-                return good, pos + size
-            except CorruptBatch:
-                pass
-        nxt = seg.next_index_position_after(pos)
-        log.error("%s: unreadable batch at position %d (%s); skipping to %s", seg.log_path, pos, err,
-                  f"position {nxt}" if nxt is not None else "the end of the segment")
-        self.corrupt_records += 1
-        return nxt
+                fd = self._open(seg)
+            except FileNotFoundError:  # deleted by retention meanwhile: gone, not damaged
+                expect = max(expect, seg_end)
+                continue
+            try:
+                damage = None
+                for bpos, item in walk(fd, pos, seg.size, at, seg.next_index_position_after):
+                    if isinstance(item, Damage):
+                        damage = item
+                        continue
+                    first = item.base
+                    nxt = first + item.count
+                    out = item
+                    if isinstance(item, Salvaged):
+                        self._salvaged(seg, item, expect, end)
+                        out = item.good
+                    if nxt <= expect:
+                        damage = None
+                        continue
+                    if first > expect:
+                        self._skipped(seg, damage, expect, first, end)
+                    elif first < expect and expect > start:
+                        # Overlaps what was served already: never serve an offset twice.
+                        recs = out.records() if isinstance(out, Batch) else out
+                        out = [r for r in recs if r.offset >= expect]
+                    damage = None
+                    expect = nxt
+                    if out:
+                        yield out
+                    if end is not None and nxt >= end:
+                        return
+                if expect < seg_end:
+                    self._skipped(seg, damage, expect, seg_end, end)
+                    expect = seg_end
+            finally:
+                os.close(fd)
+
+    def _skipped(self, seg, damage, a, b, end):
+        """Offsets [a, b) could not be read; count and log them (once)."""
+        if end is not None:
+            b = min(b, end)
+        new = self._lost.add(a, b)
+        if not new:
+            return
+        what = (f"{damage.end - damage.pos} unreadable bytes at position {damage.pos} ({damage.reason})"
+                if damage is not None else "records missing")
+        log.error("%s: %s; skipped offsets %s (%d record(s))", seg.log_path, what, _ranges(range(a, b)),
+                  b - a)
+
+    def _salvaged(self, seg, item, start, end):
+        bad = [o for o in item.bad if o >= start and (end is None or o < end)]
+        new = sum(self._lost.add(o, o + 1) for o in bad)
+        key = (seg.base, item.pos)
+        if new:
+            log.error("%s: batch at position %d (offsets %d-%d): %s; skipped %d damaged record(s) "
+                      "(offsets %s), kept %d", seg.log_path, item.pos, item.base, item.next_offset - 1,
+                      item.reason, len(item.bad), _ranges(item.bad), len(item.good))
+        elif not item.bad and key not in self._noted:
+            self._noted.add(key)
+            log.error("%s: batch at position %d (offsets %d-%d): %s, but every record checks out; "
+                      "serving its %d records", seg.log_path, item.pos, item.base, item.next_offset - 1,
+                      item.reason, len(item.good))
 
     def records(self, start=0, end=None, topic_filters=None):
         """Yield Record objects with start <= offset < end, optionally filtered by MQTT filters."""
@@ -352,15 +590,17 @@ class LogReader:
 
     def offset_for_time(self, ts_us):
         """The first offset whose record has timestamp >= ts_us (end_offset if none)."""
-        for seg in self.segments:
-            if seg.max_ts is not None and seg.max_ts < ts_us:
+        segs = self.segments
+        for si, seg in enumerate(segs):
+            if seg.max_ts is None or seg.max_ts < ts_us:
                 continue
-            fd = self._fd(seg)
-            pos = seg.position_for_time(ts_us)
-            for _, b in scan_batches(fd, pos, seg.size):
-                if not isinstance(b, Batch) or b.max_ts < ts_us:
-                    continue
-                for r in b.records():
+            seg_end = segs[si + 1].base if si + 1 < len(segs) else seg.next_offset
+            for b in self.batches(seg.offset_for_time(ts_us), seg_end):
+                if isinstance(b, Batch):
+                    if b.max_ts < ts_us:
+                        continue
+                    b = b.records()
+                for r in b:
                     if r.timestamp >= ts_us:
                         return r.offset
         return self.end_offset
@@ -368,7 +608,7 @@ class LogReader:
     def stats(self):
         segs = self.segments
         total = sum(s.size for s in segs)
-        first_ts = segs[0].first_ts if segs else None
+        first_ts = next((s.first_ts for s in segs if s.first_ts is not None), None)
         max_ts = max((s.max_ts for s in segs if s.max_ts is not None), default=None)
         return {
             "directory": self.dir,
@@ -381,51 +621,125 @@ class LogReader:
             "last_timestamp_us": max_ts,
         }
 
+    # --- verification ------------------------------------------------------------
+
     def verify(self):
-        """Check every batch and record; return a list of problem descriptions (empty: healthy)."""
+        """Check every batch, record and index entry; return one line per problem (empty: healthy)."""
         problems = []
-        expected = None
-        for seg in self.segments:
-            fd = self._fd(seg)
-            if expected is not None and seg.base != expected:
-                problems.append(f"{seg.log_path}: starts at offset {seg.base}, expected {expected}")
-            pos = 0
-            size = os.path.getsize(seg.log_path)
-            while pos < size:
-                advanced = False
-                for bpos, b in scan_batches(fd, pos, size):
-                    if isinstance(b, Batch):
-                        pos = bpos + b.size
-                        advanced = True
+        prev = None  # next offset after the previous segment
+        segs = list(self.segments)
+        for si, seg in enumerate(segs):
+            try:
+                idx, tidx = seg.read_index()  # before the log's size: entries never run ahead of it
+                size = os.path.getsize(seg.log_path)
+                fd = self._open(seg)
+            except FileNotFoundError:  # deleted by retention meanwhile
+                continue
+            path = seg.log_path
+            if prev is not None and seg.base != prev:
+                problems.append(f"{path}: starts at offset {seg.base}, but the segment before it ends "
+                                f"at offset {prev - 1}" + (f" (offsets {_ranges(range(prev, seg.base))} missing)"
+                                                           if seg.base > prev else " (overlap)"))
+            starts = {}
+            expect = seg.base
+            damage = None
+            try:
+                for pos, item in walk(fd, 0, size, seg.base):
+                    if isinstance(item, Damage):
+                        damage = item
                         continue
-                    sz = getattr(b, "size", None)
-                    desc = f"{seg.log_path}: position {bpos}: {b}"
-                    if sz is not None:
-                        try:
-                            batch = Batch(os.pread(fd, sz, bpos), 0, verify=False)
-                            bad = [r.offset for r in batch.records(check_records=True) if isinstance(r, BadRecord)]
-                            desc += f"; damaged records: {_ranges(bad) if bad else 'none (header only)'}"
-                        except CorruptBatch as e2:
-                            desc += f"; {e2}"
-                        pos = bpos + sz
-                    else:
-                        nxt = seg.next_index_position_after(bpos)
-                        pos = nxt if nxt is not None else size
-                        desc += f"; {size - bpos if nxt is None else nxt - bpos} bytes unreadable"
-                    problems.append(desc)
-                    advanced = True
-                    break
-                else:
-                    if pos < size:
-                        problems.append(f"{seg.log_path}: {size - pos} bytes of incomplete batch at the end")
-                    break
-                if not advanced:
-                    break
-            expected = seg.next_offset
+                    if damage is not None:
+                        lost = (f"offsets {_ranges(range(expect, item.base))} lost" if item.base > expect
+                                else "no offsets lost")
+                        problems.append(f"{path}: {damage.end - damage.pos} unreadable bytes at position "
+                                        f"{damage.pos} ({damage.reason}); {lost}")
+                        damage = None
+                    elif item.base != expect:
+                        problems.append(f"{path}: batch at position {pos} starts at offset {item.base}, "
+                                        f"expected {expect}")
+                    if isinstance(item, Salvaged):
+                        what = (f"damaged records: offsets {_ranges(item.bad)}" if item.bad
+                                else "every record checks out")
+                        problems.append(f"{path}: batch at position {pos} (offsets {item.base}-"
+                                        f"{item.next_offset - 1}): {item.reason}; {what}")
+                    starts[pos] = item.base
+                    expect = max(expect, item.base + item.count)
+                if damage is not None and os.path.getsize(path) == size:  # (grown: a write in progress)
+                    fix = ("truncated when the broker next starts" if si == len(segs) - 1
+                           else "the segment is sealed, so these bytes are lost")
+                    problems.append(f"{path}: {size - damage.pos} bytes of torn or unreadable data at the end "
+                                    f"(position {damage.pos}: {damage.reason}); {fix}")
+            finally:
+                os.close(fd)
+            problems.extend(_verify_index(seg, idx, tidx, starts, size))
+            prev = expect
         return problems
 
 
+def _verify_index(seg, idx, tidx, starts, size):
+    problems = []
+    base = seg.base
+    n = None
+    if idx is None:
+        problems.append(f"{seg.index_path}: missing (rebuilt when the broker next starts)")
+    else:
+        if len(idx) % _INDEX_ENTRY.size:
+            problems.append(f"{seg.index_path}: {len(idx)} bytes, not a whole number of "
+                            f"{_INDEX_ENTRY.size}-byte entries (half-written)")
+        entries = list(_INDEX_ENTRY.iter_unpack(idx[:len(idx) - len(idx) % _INDEX_ENTRY.size]))
+        n = len(entries)
+        if not entries and starts:
+            problems.append(f"{seg.index_path}: empty although the log holds batches")
+        bad = []
+        prev_pos = -1
+        for k, (rel, pos) in enumerate(entries):
+            if pos >= size:
+                bad.append(f"entry {k} (offset {base + rel}) points at position {pos}, past the end of the "
+                           f"log ({size} bytes)")
+            elif starts.get(pos) != base + rel:
+                bad.append(f"entry {k} (offset {base + rel}) points at position {pos}, which is not the "
+                           f"start of the batch holding that offset")
+            elif pos <= prev_pos:
+                bad.append(f"entry {k} is out of order")
+            prev_pos = max(prev_pos, pos)
+        if bad:
+            more = f" (and {len(bad) - 1} more bad entries)" if len(bad) > 1 else ""
+            problems.append(f"{seg.index_path}: stale or damaged: {bad[0]}{more}")
+    if tidx is None:
+        problems.append(f"{seg.time_path}: missing (rebuilt when the broker next starts)")
+    else:
+        if len(tidx) % _TIME_ENTRY.size:
+            problems.append(f"{seg.time_path}: {len(tidx)} bytes, not a whole number of "
+                            f"{_TIME_ENTRY.size}-byte entries (half-written)")
+        tentries = list(_TIME_ENTRY.iter_unpack(tidx[:len(tidx) - len(tidx) % _TIME_ENTRY.size]))
+        if n is not None and len(tentries) != n:
+            problems.append(f"{seg.time_path}: {len(tentries)} entries, but the offset index has {n}")
+        elif n is not None:
+            off = [base + rel for rel, _ in _INDEX_ENTRY.iter_unpack(idx[:8 * n])]
+            wrong = [k for k, (_, rel, _) in enumerate(tentries) if base + rel != off[k]]
+            if wrong:
+                problems.append(f"{seg.time_path}: entry {wrong[0]} names offset "
+                                f"{base + tentries[wrong[0]][1]}, the offset index {off[wrong[0]]}")
+        dec = [k for k in range(1, len(tentries)) if tentries[k][0] < tentries[k - 1][0]]
+        if dec:
+            problems.append(f"{seg.time_path}: timestamps decrease at entry {dec[0]}")
+    return problems
+
+
+def _first_ts(fd, size):
+    """The first timestamp of a segment's first batch (its CRC checked if it can be)."""
+    head = os.pread(fd, HEADER_SIZE, 0)
+    n = read_prefix(head)
+    if n is None or len(head) < HEADER_SIZE:
+        return None
+    try:
+        return Batch(os.pread(fd, n, 0), 0).first_ts
+    except CorruptBatch:
+        return HEADER.unpack_from(head)[5]
+
+
 def _ranges(offsets):
+    offsets = list(offsets)
     if not offsets:
         return ""
     out = []
@@ -459,6 +773,9 @@ def _matcher(filters):
     return match
 
 
+# --- writing ----------------------------------------------------------------------------
+
+
 class CommitLog(LogReader):
     """The writer side of a partition. Append and sync from one thread only."""
 
@@ -470,6 +787,7 @@ class CommitLog(LogReader):
         self._wfd = None
         self._ifd = None
         self._tfd = None
+        _remove_orphans(str(directory))
         super().__init__(directory)
         self._recover()
 
@@ -479,61 +797,73 @@ class CommitLog(LogReader):
         if not self.segments:
             self._open_segment(0)
             return
+        rebuilt = False
         for seg in self.segments[:-1]:
             seg.sealed = True
-            self._check_sealed(seg)
-        self._recover_active(self.segments[-1])
+            if not seg.index_ok:
+                # _describe walked the whole segment, so the entries in memory are complete.
+                log.warning("%s: index missing or inconsistent; rebuilding it", seg.log_path)
+                self._write_index(seg)
+                rebuilt = True
+        rebuilt |= self._recover_active(self.segments[-1])
+        if rebuilt:
+            _fsync_dir(self.dir)
 
-    def _rebuild_index(self, seg, upto):
-        """Rewrite a segment's index files from its batches in [0, upto)."""
-        seg.reset_index()
-        fd = self._fd(seg)
-        idx = []
-        tidx = []
-        for pos, b in scan_batches(fd, 0, upto, verify=False):
-            if not isinstance(b, Batch):
-                break
-            e = seg.add_index_entry(b.base, pos, b.max_ts, self.index_interval)
-            if e:
-                idx.append(e[0])
-                tidx.append(e[1])
-        _write_atomic(seg.index_path, b"".join(idx))
-        _write_atomic(seg.time_path, b"".join(tidx))
-
-    def _check_sealed(self, seg):
-        if seg.last_indexed_pos < 0:
-            log.warning("%s: index missing or inconsistent; rebuilding it", seg.log_path)
-            self._rebuild_index(seg, seg.size)
+    def _write_index(self, seg):
+        idx, tidx = seg.index_bytes()
+        _write_atomic(seg.index_path, idx)
+        _write_atomic(seg.time_path, tidx)
+        seg.index_ok = True
 
     def _recover_active(self, seg):
+        """Check every batch of the segment written last; truncate a torn or corrupt tail.
+
+        The tail is everything after the last batch whose CRC checks out. Damage
+        followed by intact batches is not a tail: it is kept (readers skip it) and
+        reported, so acknowledged records after it are never thrown away.
+        """
         size = os.path.getsize(seg.log_path)
-        index_ok = seg.load_index(size)
-        if not index_ok:
-            if size:
-                log.warning("%s: index missing or inconsistent; rebuilding it", seg.log_path)
-            seg.reset_index()
-        fd = self._fd(seg)
-        start = seg.last_indexed_pos if seg.last_indexed_pos >= 0 else 0
-        good_end = start
-        next_offset = seg.base
-        max_ts = seg.max_ts
-        # Verify the tail from the last indexed batch with full CRC checks.
-        for pos, b in scan_batches(fd, start, size):
-            if not isinstance(b, Batch):
-                break
-            good_end = pos + b.size
-            next_offset = b.next_offset
-            max_ts = b.max_ts if max_ts is None else max(max_ts, b.max_ts)
-        if start and good_end == start:
-            # Even the indexed batch is bad: start over from the beginning.
-            seg.reset_index()
-            good_end = 0
-            next_offset = seg.base
-            for pos, b in scan_batches(fd, 0, size):
-                if not isinstance(b, Batch):
-                    break
-                good_end = pos + b.size
-                next_offset = b.next_offset
+        fresh = Segment(self.dir, seg.base)
+        good = (0, seg.base, None, None, 0)  # state after the last intact batch
+        expect = seg.base
+        damaged = []
+        fd = self._open(seg)
+        try:
+            for pos, item in walk(fd, 0, size, seg.base):
+                if isinstance(item, Damage):
+                    damaged.append((pos, item, expect))
+                    continue
+                if item.base > expect or isinstance(item, Salvaged):
+                    damaged.append((pos, item, expect))
+                mts = item.max_ts
+                if mts is not None:
+                    fresh.max_ts = mts if fresh.max_ts is None else max(fresh.max_ts, mts)
+                if fresh.first_ts is None:
+                    fresh.first_ts = item.first_ts
+                fresh.add_index_entry(item.base, pos, fresh.max_ts if fresh.max_ts is not None else 0,
+                                      self.index_interval)
+                expect = fresh.next_offset = max(fresh.next_offset, item.base + item.count)
+                fresh.size = pos + item.size
+                if isinstance(item, Batch):
+                    good = (fresh.size, fresh.next_offset, fresh.first_ts, fresh.max_ts,
+                            len(fresh.index_offsets))
+        finally:
+            os.close(fd)
+        good_end, next_offset, first_ts, max_ts, n_entries = good
+        for pos, item, exp in damaged:
+            if pos >= good_end:
+                continue
+            if isinstance(item, Salvaged):
+                log.error("%s: batch at position %d (offsets %d-%d): %s; damaged records: %s; kept "
+                          "(readers skip the damaged records)", seg.log_path, item.pos, item.base,
+                          item.next_offset - 1, item.reason, _ranges(item.bad) or "none")
+            elif isinstance(item, Damage):
+                log.error("%s: %d unreadable bytes at position %d (%s), followed by intact batches; "
+                          "kept (readers skip them)", seg.log_path, item.end - item.pos, item.pos,
+                          item.reason)
+            else:
+                log.error("%s: offsets %s missing before position %d", seg.log_path,
+                          _ranges(range(exp, item.base)), pos)
         if good_end < size:
             lost = size - good_end
             self.truncated_bytes += lost
@@ -543,14 +873,28 @@ class CommitLog(LogReader):
             with open(seg.log_path, "r+b") as fh:
                 fh.truncate(good_end)
                 os.fsync(fh.fileno())
+            del fresh.index_offsets[n_entries:]
+            del fresh.index_positions[n_entries:]
+            del fresh.time_ts[n_entries:]
+            del fresh.time_offsets[n_entries:]
+            fresh.last_indexed_pos = fresh.index_positions[-1] if n_entries else -1
         seg.size = good_end
         seg.next_offset = next_offset
+        seg.first_ts = first_ts
         seg.max_ts = max_ts
-        if seg.index_positions and seg.index_positions[-1] >= good_end:
-            index_ok = False
-        if not index_ok or seg.last_indexed_pos < 0 or good_end > start:
-            self._rebuild_index(seg, good_end)
+        seg.index_offsets, seg.index_positions = fresh.index_offsets, fresh.index_positions
+        seg.time_ts, seg.time_offsets = fresh.time_ts, fresh.time_offsets
+        seg.last_indexed_pos = fresh.last_indexed_pos
+        seg.scanned = good_end
+        rebuilt = False
+        if list(seg.index_bytes()) != seg.read_index():
+            if good_end or seg.read_index() != [b"", b""]:
+                log.warning("%s: index missing, stale or inconsistent; rebuilding it", seg.log_path)
+            self._write_index(seg)
+            rebuilt = True
+        seg.index_ok = True
         self._open_files(seg)
+        return rebuilt
 
     # --- writing -------------------------------------------------------------
 
@@ -571,33 +915,52 @@ class CommitLog(LogReader):
         for path in (seg.log_path, seg.index_path, seg.time_path):
             with open(path, "wb"):
                 pass
+        seg.scanned = 0
+        seg.index_ok = True
         self.segments.append(seg)
         self._open_files(seg)
         _fsync_dir(self.dir)
         return seg
 
     def append(self, data, base, count, first_ts, max_ts):
-        """Write one encoded batch (from `format.encode_batch`) at the end of the log."""
+        """Write one encoded batch at the end of the log.
+
+        `data`: the batch's bytes (`format.encode_batch`), or its parts as a tuple
+        (`format.encode_batch_parts`), written with one writev.
+        """
         seg = self.segments[-1]
         if base != seg.next_offset:
             raise ValueError(f"batch base {base} does not follow the log end {seg.next_offset}")
-        if seg.size and seg.size + len(data) > self.segment_bytes:
+        parts = data if isinstance(data, (tuple, list)) else (data,)
+        size = sum(map(len, parts))
+        if seg.size and seg.size + size > self.segment_bytes:
             self._roll(base)
             seg = self.segments[-1]
         pos = seg.size
-        view = memoryview(data)
-        while view:
-            n = os.write(self._wfd, view)
-            view = view[n:]
-        e = seg.add_index_entry(base, pos, max_ts, self.index_interval)
+        try:
+            n = os.writev(self._wfd, parts)
+            if n < size:  # a short write (rare: signals, quotas): write the rest
+                view = memoryview(b"".join(parts))[n:]
+                while view:
+                    view = view[os.write(self._wfd, view):]
+        except OSError:
+            # Disk full or an I/O error: take a partial batch back off so later appends
+            # (and their index entries) still land where the segment says it ends.
+            try:
+                os.ftruncate(self._wfd, pos)
+            except OSError:
+                pass
+            raise
+        running = max_ts if seg.max_ts is None or max_ts > seg.max_ts else seg.max_ts
+        e = seg.add_index_entry(base, pos, running, self.index_interval)
         if e:
             os.write(self._ifd, e[0])
             os.write(self._tfd, e[1])
         if seg.first_ts is None:
             seg.first_ts = first_ts
-        seg.max_ts = max_ts if seg.max_ts is None else max(seg.max_ts, max_ts)
+        seg.max_ts = running
         seg.next_offset = base + count
-        seg.size = pos + len(data)
+        seg.size = seg.scanned = pos + size
 
     def sync(self):
         if self._wfd is not None:
@@ -624,8 +987,8 @@ class CommitLog(LogReader):
         """Delete whole sealed segments past the limits.
 
         A segment holding an offset >= `protect_from` (still needed by a persistent
-        session) is kept unless the log exceeds `hard_bytes`. Returns
-        (segments deleted, records deleted that were still needed).
+        session) is kept unless the log exceeds `hard_bytes`, which is a size limit of
+        its own. Returns (segments deleted, records deleted that were still needed).
         """
         if now_us is None:
             now_us = int(time.time() * 1e6)
@@ -634,12 +997,13 @@ class CommitLog(LogReader):
         cutoff = now_us - int(retention_hours * 3600e6) if retention_hours else None
         while len(self.segments) > 1:
             seg = self.segments[0]
-            too_big = retention_bytes and total > retention_bytes
+            over_hard = bool(hard_bytes) and total > hard_bytes
+            too_big = (retention_bytes and total > retention_bytes) or over_hard
             too_old = cutoff is not None and seg.max_ts is not None and seg.max_ts < cutoff
             if not (too_big or too_old):
                 break
             needed = protect_from is not None and seg.next_offset > protect_from
-            if needed and not (hard_bytes and total > hard_bytes):
+            if needed and not over_hard:
                 break
             if needed:
                 n = seg.next_offset - max(seg.base, protect_from)
@@ -653,9 +1017,6 @@ class CommitLog(LogReader):
 
     def _delete(self, seg):
         self.segments.pop(0)
-        fd = self._fds.pop(seg.base, None)
-        if fd is not None:
-            os.close(fd)
         for path in (seg.log_path, seg.index_path, seg.time_path):
             try:
                 os.unlink(path)
@@ -663,6 +1024,22 @@ class CommitLog(LogReader):
                 pass
         log.info("retention: deleted segment %s (offsets %d-%d, %d bytes)",
                  segment_name(seg.base), seg.base, seg.next_offset - 1, seg.size)
+
+
+def _remove_orphans(directory):
+    """Index files whose segment is gone (a crash during retention) and leftover temp files."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    logs = {m.group(1) for m in map(_SEGMENT_RE.match, names) if m}
+    for name in names:
+        m = _AUX_RE.match(name)
+        if m and (name.endswith(".tmp") or m.group(1) not in logs):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
 
 
 def _write_atomic(path, data):
@@ -685,4 +1062,4 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-__all__ = ["CommitLog", "LogReader", "Record", "Segment"]
+__all__ = ["CommitLog", "Damage", "LogReader", "Record", "Salvaged", "Segment", "find_batch", "walk"]

@@ -22,7 +22,8 @@ PYTEST_ARGS ?=
 # CMD is missing). Add e.g. mosquitto:mosquitto, etcd:etcd-server,
 # java:openjdk-17-jre-headless here as the suite grows.
 TEST_DEBIAN_PKGS := \
-	mosquitto_sub:mosquitto-clients
+	mosquitto_sub:mosquitto-clients \
+	mosquitto:mosquitto
 
 # npm packages the tests need (hook, empty for now), installed into $(NPM_PREFIX);
 # their binaries are put on PATH for pytest.

@@ -29,7 +29,7 @@ def test_defaults():
     assert cfg.limits.max_packet_size == 1048576
     assert cfg.limits.receive_maximum == 1024
     assert cfg.limits.connect_timeout == 10.0
-    assert cfg.auth.allow_anonymous is True
+    assert cfg.auth.allow_anonymous is None  # not set: decided per listener
     assert cfg.sys.interval == 10.0
     assert cfg.logging.level == "info"
 
@@ -254,7 +254,11 @@ def test_cli_version():
 
 
 def test_cli_config_check_ok(tmp_path):
-    path = write(tmp_path, FULL)
+    # `config check` also reads the password and ACL files the configuration names.
+    (tmp_path / "passwd").write_text("")
+    (tmp_path / "acl.conf").write_text("")
+    path = write(tmp_path, FULL.replace("/etc/wrenmq/passwd", str(tmp_path / "passwd"))
+                 .replace('"acl.conf"', f'"{tmp_path / "acl.conf"}"'))
     r = run("config", "check", str(path))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"{path}: OK (2 listener(s))"

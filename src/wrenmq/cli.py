@@ -56,13 +56,26 @@ def _serve(args):
 async def _run(cfg):
     from .broker.broker import Broker
 
-    broker = Broker(cfg)
+    try:
+        broker = Broker(cfg)
+    except ConfigError as e:  # e.g. a password or ACL file that cannot be used
+        log.error("cannot start: %s", e)
+        return 2
     loop = asyncio.get_running_loop()
     try:
         await broker.start()
     except OSError as e:
         log.error("cannot start: %s", e)
         return 1
+    pid_file = cfg.broker.pid_file
+    if pid_file:
+        from .auth.commands import write_pid_file
+        try:
+            write_pid_file(pid_file)
+        except OSError as e:
+            log.error("cannot write pid file %s: %s", pid_file, e)
+            await broker.stop()
+            return 1
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -74,12 +87,17 @@ async def _run(cfg):
         w.cancel()
     log.info("shutting down")
     await broker.stop()
+    if pid_file:
+        from .auth.commands import remove_pid_file
+        remove_pid_file(pid_file)
     return 1 if broker.failed is not None else 0
 
 
 def _config_check(args):
     try:
         cfg = load(args.file)
+        from .auth.hook import load_files
+        load_files(cfg.auth.password_file, cfg.auth.acl_file)
     except ConfigError as e:
         print(f"wrenmq: {e}", file=sys.stderr)
         return 2
@@ -114,6 +132,10 @@ def build_parser():
     cc.set_defaults(func=_config_check)
     cd = csub.add_parser("docs", help="print every setting as Markdown (docs/CONFIG.md)")
     cd.set_defaults(func=_config_docs)
+
+    from .auth.commands import add_passwd_parser, add_reload_parser
+    add_passwd_parser(sub)
+    add_reload_parser(sub)
     return p
 
 

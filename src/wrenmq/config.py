@@ -48,6 +48,8 @@ class BrokerSection:
     shared_subscriptions: bool = _key(True, "Whether $share/<group>/<filter> is allowed.")
     subscription_identifiers: bool = _key(True, "Whether MQTT 5 subscription identifiers are allowed.")
     queue_qos0_messages: bool = _key(False, "Queue QoS 0 messages for offline persistent sessions.")
+    pid_file: str = _key("", "`wrenmq serve` writes its process id here (and removes it on exit); "
+                         "`wrenmq reload --config` signals that process. Empty = no pid file.")
 
 
 @dataclass
@@ -71,9 +73,15 @@ class LimitsSection:
 
 @dataclass
 class AuthSection:
-    allow_anonymous: bool = _key(True, "Accept clients that send no user name.")
-    password_file: str = _key("", "Mosquitto-format password file.")
-    acl_file: str = _key("", "Mosquitto-format ACL file.")
+    # None = the key is not set (TOML has no null): decided per listener.
+    allow_anonymous: bool = _key(None, "Accept clients that send no user name. Not set (shown as "
+                                 "None): accepted on listeners bound to a loopback address only, "
+                                 "refused on every other listener; true or false: on every listener.")
+    password_file: str = _key("", "Mosquitto-format password file ($6$/$7$ entries, written by "
+                              "`wrenmq passwd` or `mosquitto_passwd`); empty = no password check.")
+    acl_file: str = _key("", "Mosquitto-format ACL file (user/topic/pattern); empty = no ACL.")
+    failed_login_delay: float = _key(1.0, "Seconds before a refused login (wrong password, unknown "
+                                     "user) gets its CONNACK; other clients are not held.", 0, 60)
 
 
 @dataclass

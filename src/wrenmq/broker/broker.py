@@ -24,8 +24,14 @@ log = logging.getLogger("wrenmq.broker")
 class Broker:
     def __init__(self, config=None, hooks=()):
         self.config = config if config is not None else Config()
-        self.hooks = HookChain(hooks)
+        # The [auth] hook (password file, ACL, anonymous policy) goes first; it asks the
+        # authenticate of the hooks behind it for users it does not know.
+        from ..auth.hook import build_auth_hook
+        self.auth = build_auth_hook(self.config)
+        self.hooks = HookChain([self.auth, *hooks])
+        self.auth.chain = self.hooks
         self.router = Router(self.config, self.hooks)
+        self.auth.router = self.router
         self.connections = set()
         self.loop = None
         self._servers = []

@@ -397,3 +397,36 @@ def test_acl_reload_with_sighup_on_serve(serve_broker, files):
     assert not alice.disconnected_event.is_set()
     alice.disconnect()
     alice.loop_stop()
+
+
+@pytest.mark.xfail(strict=True, reason="router: Router.catch_up queues messages read back from the "
+                   "commit log without asking authorize_deliver (see the auth report); remove this "
+                   "marker once it does")
+def test_catch_up_from_log_checks_read_access(make_broker, files, tmp_path):
+    """A stored session whose queue overflowed reads the rest from the commit log: those
+    messages must pass the same READ check as live ones."""
+    b = make_broker(config(files, f'[limits]\nmax_queued_messages = 2\n[storage]\nmode = "disk"\n'
+                                  f'data_dir = "{tmp_path / "data"}"\nfsync = "never"\n'))
+    props = {"session_expiry_interval": 300}
+    c = login(b.port, "bob", V5, "overflow", clean_start=False, properties=props)
+    c.send(Subscribe(1, [SubscribeTopic("#", 1)]))  # accepted: it overlaps bob's shared/#
+    assert c.recv() == Suback(1, [1])
+    c.close()
+    router = b.broker.router
+    deadline = time.monotonic() + 3
+    while b.call(lambda: router.sessions["overflow"].conn is not None) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for i in range(4):
+        b.call(b.broker.publish, "shared/x", b"s%d" % i, 1)
+        b.call(b.broker.publish, "bob/secret", b"S%d" % i, 1)
+    c = login(b.port, "bob", V5, "overflow", clean_start=False, properties=props)
+    got = []
+    try:
+        while True:
+            p = c.recv(timeout=1)
+            got.append(p.topic)
+            c.send(Puback(p.packet_id))
+    except TimeoutError:
+        pass
+    c.close()
+    assert got == ["shared/x"] * 4

@@ -9,6 +9,7 @@ expected, so a typo never starts a broker with a silently ignored setting.
 import dataclasses
 import ipaddress
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from typing import get_args, get_origin
@@ -27,12 +28,38 @@ def _key(default, doc, lo=None, hi=None, choices=None):
 
 @dataclass
 class ListenerConfig:
+    type: str = _key("mqtt", "\"mqtt\": MQTT over TCP; \"ws\": MQTT over WebSocket (subprotocol mqtt); "
+                     "\"unix\": MQTT over a Unix domain socket at `path` (local tools).",
+                     choices=("mqtt", "ws", "unix"))
     bind: str = _key("127.0.0.1", "Address to listen on; 0.0.0.0 or :: for all interfaces.")
     port: int = _key(1883, "TCP port; 0 picks a free port.", 0, 65535)
-    name: str = _key("", "Name used in logs and $SYS; defaults to bind:port.")
+    name: str = _key("", "Name used in logs and $SYS; defaults to bind:port (unix: unix:path).")
+    path: str = _key("", "ws: the HTTP path clients connect to (empty = /mqtt; other paths get 404); "
+                     "unix: the socket file (required).")
+    mode: str = _key("0600", "unix: file mode of the socket (octal), e.g. \"0660\" to let the group in.")
+    tls: bool = _key(False, "Serve TLS (mqtt: MQTT over TLS, ws: wss://); needs certfile.")
+    certfile: str = _key("", "PEM server certificate (chain); with tls. Reloaded on SIGHUP.")
+    keyfile: str = _key("", "PEM private key of certfile; empty if certfile holds the key too.")
+    cafile: str = _key("", "PEM CA certificate(s) that sign client certificates.")
+    require_certificate: bool = _key(False, "Refuse TLS clients without a certificate signed by cafile.")
+    use_identity_as_username: bool = _key(False, "Use the client certificate's CN as the user name "
+                                          "(needs require_certificate; the CONNECT's user name and "
+                                          "password are ignored).")
+    min_tls_version: str = _key("1.2", "Oldest TLS version accepted.", choices=("1.2", "1.3"))
+
+    @property
+    def label(self):
+        """How logs name this listener."""
+        if self.name:
+            return self.name
+        if self.type == "unix":
+            return f"unix:{self.path}"
+        return f"{self.bind}:{self.port}"
 
     @property
     def loopback_only(self):
+        if self.type == "unix":
+            return True
         try:
             return ipaddress.ip_address(self.bind).is_loopback
         except ValueError:
@@ -69,6 +96,26 @@ class LimitsSection:
     max_topic_levels: int = _key(128, "Levels allowed in a topic name or filter.", 1, 65535)
     write_buffer_high: int = _key(1048576, "Bytes buffered for one slow client before QoS 0 is dropped "
                                   "and its reading paused.", 4096)
+    max_topic_length: int = _key(65535, "Bytes allowed in a topic name or filter.", 1, 65535)
+    max_subscriptions: int = _key(10000, "Subscriptions one client may hold (5.0 SUBACK 0x97 beyond); "
+                                  "0 = no limit.", 0)
+    publish_rate: float = _key(0.0, "PUBLISH packets per second one client may send on average "
+                               "(bursts of one second allowed); 0 = no limit.", 0)
+    publish_byte_rate: float = _key(0.0, "PUBLISH bytes per second one client may send on average "
+                                    "(bursts of one second allowed); 0 = no limit.", 0)
+    rate_limit_action: str = _key("throttle", "Over a rate limit: \"throttle\" holds the client's further "
+                                  "packets and stops reading it until it is back under (nothing is lost); "
+                                  "\"disconnect\" closes it (5.0: DISCONNECT 0x96).",
+                                  choices=("throttle", "disconnect"))
+    connection_rate: float = _key(0.0, "New connections per second accepted on each listener (bursts "
+                                  "of one second allowed); beyond it they are closed at once. 0 = no limit.", 0)
+    max_queued_bytes: int = _key(67108864, "Bytes of messages queued for one session (offline or "
+                                 "behind its window); beyond it like max_queued_messages. 0 = no limit.", 0)
+    max_inflight_bytes: int = _key(16777216, "Bytes of unacknowledged QoS 1/2 messages sent to one "
+                                   "client; further messages wait in its queue. 0 = no limit.", 0)
+    queue_memory: int = _key(1073741824, "Bytes of queued messages across all sessions; beyond it new "
+                             "messages for queues are dropped (and counted) unless the commit log "
+                             "holds them. 0 = no limit.", 0)
 
 
 @dataclass
@@ -199,14 +246,54 @@ def _build(cls, data, src, prefix):
     return cls(**kwargs)
 
 
+def _validate_listener(src, i, lst):
+    def fail(key, msg):
+        raise ConfigError(f"{src}: listener[{i}].{key}: {msg}")
+
+    if lst.type == "unix":
+        if not lst.path:
+            fail("path", "required for type = \"unix\" (the socket file)")
+        if lst.tls:
+            fail("tls", "not supported for type = \"unix\"")
+        if not lst.name:
+            lst.name = lst.label  # connections and hooks name the listener after it: unix:PATH
+    elif lst.type == "ws":
+        if lst.path and not lst.path.startswith("/"):
+            fail("path", f"expected an HTTP path starting with '/', got {lst.path!r}")
+    elif lst.path:
+        fail("path", "only for type = \"ws\" or \"unix\"")
+    try:
+        mode = int(lst.mode, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        fail("mode", f"expected an octal file mode such as \"0660\", got {lst.mode!r}")
+    if not lst.tls:
+        for key in ("certfile", "keyfile", "cafile", "require_certificate", "use_identity_as_username"):
+            if getattr(lst, key):
+                fail(key, "only used with tls = true (is tls missing?)")
+        return
+    if not lst.certfile:
+        fail("certfile", "required when tls = true")
+    for key in ("certfile", "keyfile", "cafile"):
+        value = getattr(lst, key)
+        if value and not os.path.isfile(value):
+            fail(key, f"file not found: {value}")
+    if lst.require_certificate and not lst.cafile:
+        fail("cafile", "required when require_certificate = true (the CA of the client certificates)")
+    if lst.use_identity_as_username and not lst.require_certificate:
+        fail("use_identity_as_username", "needs require_certificate = true")
+
+
 def validate(cfg):
     """Cross-key checks that types alone cannot express."""
     src = cfg.source
     seen = set()
     for i, lst in enumerate(cfg.listener):
-        key = (lst.bind, lst.port)
-        if lst.port and key in seen:
-            raise ConfigError(f"{src}: listener[{i}]: duplicate listener {lst.bind}:{lst.port}")
+        _validate_listener(src, i, lst)
+        key = ("unix", lst.path) if lst.type == "unix" else (lst.bind, lst.port)
+        if (lst.port or lst.type == "unix") and key in seen:
+            raise ConfigError(f"{src}: listener[{i}]: duplicate listener {lst.label}")
         seen.add(key)
     from .broker.topics import TopicError, validate_topic_filter
     for f in cfg.log.topics:

@@ -21,6 +21,8 @@ log = logging.getLogger("wrenmq.connection")
 
 # Connection states.
 _NEW, _AUTH, _OPEN, _CLOSED = range(4)
+# Why reading is paused (a bit each; reading resumes when none is left).
+_P_WRITE, _P_AUTH, _P_RATE, _P_CLOSE = 1, 2, 4, 8
 
 
 class Connection(asyncio.Protocol):
@@ -28,7 +30,7 @@ class Connection(asyncio.Protocol):
         "broker", "router", "listener", "listener_name", "transport", "decoder", "session",
         "version", "_out", "congested", "closing", "address", "keepalive", "_timer", "_last_rx",
         "_pending", "clean_disconnect", "state", "_auth_method", "_connect", "_reason",
-        "close_pending",
+        "close_pending", "_paused", "_bucket", "_backlog",
     )
 
     def __init__(self, broker, listener):
@@ -54,6 +56,9 @@ class Connection(asyncio.Protocol):
         self._connect = None
         self._reason = None
         self.close_pending = False  # close once held output has been written
+        self._paused = 0
+        self._bucket = None  # [message tokens, byte tokens, last refill] when rates are limited
+        self._backlog = None  # packets held back by the rate limit
 
     # --- asyncio callbacks -------------------------------------------------
 
@@ -69,11 +74,17 @@ class Connection(asyncio.Protocol):
         conns.add(self)
         limits = broker.config.limits
         if limits.max_connections and len(conns) > limits.max_connections:
-            log.warning("refusing connection from %s: max_connections (%d) reached",
-                        self.address, limits.max_connections)
+            broker.refused(self, "max_connections reached")
             self.closing = True
             transport.abort()
             return
+        if limits.connection_rate and not broker.admit(self.listener_name):
+            broker.refused(self, "connection_rate exceeded")
+            self.closing = True
+            transport.abort()
+            return
+        if limits.publish_rate or limits.publish_byte_rate:
+            self._bucket = [limits.publish_rate, limits.publish_byte_rate, monotonic()]
         transport.set_write_buffer_limits(high=limits.write_buffer_high)
         self._timer = broker.loop.call_later(limits.connect_timeout, self._connect_timeout)
 
@@ -87,8 +98,20 @@ class Connection(asyncio.Protocol):
             return
         try:
             packets = self.decoder.feed(data)
-            handlers = self.router.handlers
-            session = self.session
+        except MQTTError as e:
+            self.protocol_error(e)
+            return
+        if self._bucket is None:
+            self._dispatch(packets)
+        elif self._backlog is not None:
+            self._backlog.extend(packets)
+        else:
+            self._dispatch_metered(packets)
+
+    def _dispatch(self, packets):
+        handlers = self.router.handlers
+        session = self.session
+        try:
             for pkt in packets:
                 handler = handlers[pkt.TYPE]
                 if handler is None:
@@ -100,19 +123,87 @@ class Connection(asyncio.Protocol):
         except MQTTError as e:
             self.protocol_error(e)
 
+    def _dispatch_metered(self, packets):
+        """Dispatch while the client is within publish_rate / publish_byte_rate (token
+        buckets with one second of burst); hold back the rest and stop reading."""
+        bucket = self._bucket
+        limits = self.broker.config.limits
+        now = monotonic()
+        elapsed = now - bucket[2]
+        bucket[2] = now
+        mrate = limits.publish_rate
+        brate = limits.publish_byte_rate
+        if mrate:
+            bucket[0] = min(mrate, bucket[0] + elapsed * mrate)
+        if brate:
+            bucket[1] = min(brate, bucket[1] + elapsed * brate)
+        n = len(packets)
+        i = 0
+        while i < n:
+            pkt = packets[i]
+            if pkt.TYPE == 3:
+                # A packet bigger than a second's worth passes once the bucket is full.
+                if (mrate and bucket[0] < 1) or (brate and bucket[1] < min(len(pkt.raw), brate)):
+                    break
+                bucket[0] -= 1
+                bucket[1] -= len(pkt.raw)
+            i += 1
+        self._dispatch(packets[:i] if i < n else packets)
+        if i == n or self.closing:
+            return
+        # Over the limit.
+        self.router.stats.rate_limited += 1
+        if limits.rate_limit_action == "disconnect":
+            log.info("client %s exceeds its rate limit: disconnecting",
+                     self.session.client_id if self.session else self.address)
+            self.close(C.MESSAGE_RATE_TOO_HIGH)
+            return
+        self._backlog = list(packets[i:])
+        wait = max((1 - bucket[0]) / mrate if mrate else 0.0,
+                   (min(len(packets[i].raw), brate) - bucket[1]) / brate if brate else 0.0)
+        self._pause(_P_RATE)
+        self.broker.loop.call_later(max(wait, 0.001), self._drain_backlog)
+
+    def _drain_backlog(self):
+        backlog = self._backlog
+        self._backlog = None
+        if self.closing or backlog is None:
+            return
+        self._dispatch_metered(backlog)
+        if self._backlog is None:
+            self._unpause(_P_RATE)
+
+    def _pause(self, why):
+        if not self._paused and self.transport is not None:
+            try:
+                self.transport.pause_reading()
+            except (RuntimeError, AttributeError):
+                pass
+        self._paused |= why
+
+    def _unpause(self, why):
+        if not self._paused & why:
+            return
+        self._paused &= ~why
+        if not self._paused and not self.closing and self.transport is not None:
+            try:
+                self.transport.resume_reading()
+            except (RuntimeError, AttributeError):
+                pass
+
     def eof_received(self):
         return False
 
     def pause_writing(self):
         self.congested = True
         if not self.closing:
-            self.transport.pause_reading()
+            self._pause(_P_WRITE)
 
     def resume_writing(self):
         self.congested = False
         if not self.closing:
-            self.transport.resume_reading()
-            if self.session is not None and self.session.queue:
+            self._unpause(_P_WRITE)
+            if self.session is not None and (self.session.queue or self.session.resend):
                 self.router.drain(self.session)
 
     def connection_lost(self, exc):
@@ -186,14 +277,11 @@ class Connection(asyncio.Protocol):
         if self.broker.holding() and self.transport is not None:
             # Output waits for the store: close after it has been written.
             self.close_pending = True
+            self._pause(_P_CLOSE)
             self.closing = True
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            try:
-                self.transport.pause_reading()
-            except (RuntimeError, AttributeError):
-                pass
             self.broker.mark_dirty(self)
             return
         self.flush()
@@ -247,7 +335,7 @@ class Connection(asyncio.Protocol):
         rest = packets[1:]
         self._connect = first
         self.state = _AUTH
-        self.transport.pause_reading()
+        self._pause(_P_AUTH)
         if rest:
             # Already decoded: re-encode is not possible cheaply, so keep the packets.
             self._pending = rest
@@ -302,7 +390,7 @@ class Connection(asyncio.Protocol):
         if reason == C.CONTINUE_AUTHENTICATION:
             self.send(encode(Auth(C.CONTINUE_AUTHENTICATION, props), C.MQTT5))
             if self.state == _AUTH:
-                self.transport.resume_reading()  # the client's next AUTH must get through
+                self._unpause(_P_AUTH)  # the client's next AUTH must get through
             return
         if self.state == _OPEN:  # re-authentication of an open connection
             if reason == 0:
@@ -317,7 +405,7 @@ class Connection(asyncio.Protocol):
         try:
             for pkt in self.decoder.feed(data):
                 if pkt.TYPE == C.AUTH and pkt.reason_code == C.CONTINUE_AUTHENTICATION:
-                    self.transport.pause_reading()
+                    self._pause(_P_AUTH)
                     self._on_auth_packet(pkt)
                 elif pkt.TYPE == C.DISCONNECT:
                     self.close()
@@ -362,8 +450,7 @@ class Connection(asyncio.Protocol):
             self._timer = self.broker.loop.call_later(self.keepalive * 1.5, self._check_keepalive)
         pending = self._pending
         self._pending = None
-        if not self.closing:
-            self.transport.resume_reading()
+        self._unpause(_P_AUTH)
         if pending:
             if isinstance(pending, list):
                 try:

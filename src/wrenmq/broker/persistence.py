@@ -283,6 +283,7 @@ class Persistence:
             out.packet_id = pid
             out.released = st == 1
             s.inflight[pid] = out
+            s.inflight_bytes += out.size
             s.next_pid = pid + 1 if pid < 65535 else 1
         for topic, qos, payload, props, client_id, ts, expires_at in state["retained"]:
             if expires_at is not None and expires_at <= now_wall:

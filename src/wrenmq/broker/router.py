@@ -39,7 +39,8 @@ class Stats:
 
     __slots__ = ("started", "msgs_received", "msgs_sent", "bytes_received", "bytes_sent",
                  "pub_received", "pub_sent", "pub_dropped", "connects", "clients_maximum",
-                 "denied_publish", "denied_subscribe", "expired")
+                 "denied_publish", "denied_subscribe", "expired", "rate_limited",
+                 "refused_connections")
 
     def __init__(self):
         self.started = time.time()
@@ -108,6 +109,12 @@ class Router:
         self.max_queued = self.limits.max_queued_messages
         self.queue_qos0 = config.broker.queue_qos0_messages
         self.max_levels = self.limits.max_topic_levels
+        lim = self.limits
+        self.max_topic_length = lim.max_topic_length if lim.max_topic_length < 65535 else 0
+        self.max_queued_bytes = lim.max_queued_bytes or float("inf")
+        self.max_inflight_bytes = lim.max_inflight_bytes or float("inf")
+        self.queue_memory = lim.queue_memory or float("inf")
+        self.queued_bytes = 0  # across all sessions
         h = [None] * 16
         h[C.PUBLISH] = self.handle_publish
         h[C.PUBACK] = self.handle_puback
@@ -306,7 +313,7 @@ class Router:
         now = self.clock()
         for pid, out in list(session.inflight.items()):
             if not out.released and out.msg.expired(now):
-                del session.inflight[pid]
+                session.take_inflight(pid)
         session.resend.extend(session.inflight)
         self.drain(session)
 
@@ -377,9 +384,10 @@ class Router:
         for sub in session.subscriptions.values():
             self._remove_subscription(session, sub)
         session.subscriptions.clear()
-        session.queue.clear()
+        self._clear_queue(session)
         session.resend.clear()
         session.inflight.clear()
+        session.inflight_bytes = 0
         session.incoming_qos2.clear()
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
@@ -393,18 +401,19 @@ class Router:
         moved = []
         for pid, out in list(session.inflight.items()):
             if out.group is not None and not out.released:
-                del session.inflight[pid]
+                session.take_inflight(pid)
                 moved.append(out)
         if session.queue:
             keep = [o for o in session.queue if o.group is None]
             moved.extend(o for o in session.queue if o.group is not None)
-            session.queue.clear()
-            session.queue.extend(keep)
+            self._clear_queue(session)
+            for o in keep:
+                self._queue_push(session, o)
         for out in moved:
             sub = out.group.pick(exclude=session)
             if sub is None or sub.session.conn is None:
                 # Nobody else online: keep it for this session.
-                session.queue.append(out)
+                self._queue_push(session, out)
                 continue
             q = out.msg.qos if out.msg.qos < sub.qos else sub.qos
             self._deliver(sub.session, out.msg, q, False, (sub.sub_id,) if sub.sub_id else (), out.group)
@@ -421,6 +430,8 @@ class Router:
             raise MQTTError(C.TOPIC_NAME_INVALID, f"wildcard in topic name {topic!r}")
         if topic.count("/") >= self.max_levels:
             raise MQTTError(C.TOPIC_NAME_INVALID, "too many topic levels")
+        if self.max_topic_length and len(topic.encode()) > self.max_topic_length:
+            raise MQTTError(C.TOPIC_NAME_INVALID, f"topic longer than {self.max_topic_length} bytes")
 
     def _new_message(self, topic, payload, qos, retain, props, cid, origin, raw=None, raw_v5=False):
         expiry = None
@@ -456,7 +467,8 @@ class Router:
                 raw = None
         else:
             props = {}
-        if not topic or "+" in topic or "#" in topic or topic.count("/") >= self.max_levels:
+        if not topic or "+" in topic or "#" in topic or topic.count("/") >= self.max_levels or (
+                self.max_topic_length and len(topic) > self.max_topic_length // 4):
             self._check_topic_name(topic)
         qos = pkt.qos
         if qos:
@@ -527,7 +539,7 @@ class Router:
     def handle_puback(self, session, pkt):
         out = session.inflight.get(pkt.packet_id)
         if out is not None and out.qos == 1:
-            del session.inflight[pkt.packet_id]
+            session.take_inflight(pkt.packet_id)
             if session.stored:
                 self.dirty.add(session)
             if session.queue or session.resend or session.resume_from is not None:
@@ -540,7 +552,7 @@ class Router:
             session.conn.send(_encode_ack(0x62, pid, C.PACKET_IDENTIFIER_NOT_FOUND, session.v5))
             return
         if pkt.reason_code >= 0x80:
-            del session.inflight[pid]
+            session.take_inflight(pid)
             if session.stored and out.msg.offset >= 0:
                 self.persist.qos2_out(session, pid, out.msg.offset, 2)
             if session.queue or session.resend or session.resume_from is not None:
@@ -555,7 +567,7 @@ class Router:
     def handle_pubcomp(self, session, pkt):
         out = session.inflight.get(pkt.packet_id)
         if out is not None and out.qos == 2:
-            del session.inflight[pkt.packet_id]
+            session.take_inflight(pkt.packet_id)
             if session.stored:
                 self.dirty.add(session)
                 if out.msg.offset >= 0:
@@ -591,8 +603,14 @@ class Router:
             try:
                 group, flt = parse_shared(t.filter)
                 validate_topic_filter(flt, self.max_levels)
+                if self.max_topic_length and len(t.filter.encode()) > self.max_topic_length:
+                    raise TopicError("topic filter too long")
             except TopicError:
                 codes.append(fail(C.TOPIC_FILTER_INVALID))
+                continue
+            if self.limits.max_subscriptions and t.filter not in session.subscriptions and \
+                    len(session.subscriptions) >= self.limits.max_subscriptions:
+                codes.append(fail(C.QUOTA_EXCEEDED))
                 continue
             if group is not None:
                 if t.no_local and v5:
@@ -781,7 +799,7 @@ class Router:
         if session.stored:
             self.dirty.add(session)
         if conn is not None and not session.queue and len(session.inflight) < session.send_quota \
-                and not conn.congested:
+                and not conn.congested and session.inflight_bytes + out.size <= self.max_inflight_bytes:
             self._send_outgoing(session, out)
         else:
             self._enqueue(session, out)
@@ -789,15 +807,34 @@ class Router:
     def _send_outgoing(self, session, out):
         pid = session.allocate_pid()
         session.inflight[pid] = out
+        session.inflight_bytes += out.size
         out.packet_id = pid
         msg = out.msg
         if out.qos == 2 and session.stored and msg.offset >= 0:
             self.persist.qos2_out(session, pid, msg.offset, 0)
         if not self._write_publish(session, msg, out.qos, out.retain, out.sub_ids, pid, False):
-            del session.inflight[pid]
+            session.take_inflight(pid)
+
+    def _queue_push(self, session, out):
+        session.queue.append(out)
+        session.queued_bytes += out.size
+        self.queued_bytes += out.size
+
+    def _queue_pop(self, session):
+        out = session.queue.popleft()
+        session.queued_bytes -= out.size
+        self.queued_bytes -= out.size
+        return out
+
+    def _clear_queue(self, session):
+        self.queued_bytes -= session.queued_bytes
+        session.queued_bytes = 0
+        session.queue.clear()
 
     def _enqueue(self, session, out):
-        if len(session.queue) >= self.max_queued:
+        size = out.size
+        if len(session.queue) >= self.max_queued or session.queued_bytes + size > self.max_queued_bytes \
+                or self.queued_bytes + size > self.queue_memory:
             if out.msg.offset >= 0 and session.stored and out.group is None and out.qos:
                 # The log keeps it: read it back from there once the queue drains.
                 if session.resume_from is None:
@@ -806,7 +843,7 @@ class Router:
             session.dropped += 1
             self.stats.pub_dropped += 1
             return
-        session.queue.append(out)
+        self._queue_push(session, out)
 
     def drain(self, session):
         """Move queued messages into the window while the client can take them.
@@ -826,20 +863,22 @@ class Router:
             return
         if not queue and session.resume_from is not None and conn is not None:
             self.catch_up(session)
+        max_bytes = self.max_inflight_bytes
         while queue and conn is not None and not conn.congested:
             out = queue[0]
             msg = out.msg
             if msg.expiry is not None and now >= msg.expiry:
-                queue.popleft()
+                self._queue_pop(session)
                 self.stats.expired += 1
                 continue
             if not out.qos:
-                queue.popleft()
+                self._queue_pop(session)
                 self._write_publish(session, msg, 0, out.retain, out.sub_ids, 0, False)
                 continue
-            if len(inflight) >= session.send_quota:
+            if len(inflight) >= session.send_quota or (
+                    inflight and session.inflight_bytes + out.size > max_bytes):
                 break
-            queue.popleft()
+            self._queue_pop(session)
             self._send_outgoing(session, out)
             if not queue and session.resume_from is not None:
                 self.catch_up(session)
@@ -877,7 +916,7 @@ class Router:
                 if not q and not self.queue_qos0:
                     continue
                 msg = item if isinstance(item, Message) else persist.message_from_record(item)
-                session.queue.append(Outgoing(msg, q, msg.retain and rap, ids))
+                self._queue_push(session, Outgoing(msg, q, msg.retain and rap, ids))
                 queued += 1
         if start >= persist.next_offset:
             session.resume_from = None

@@ -35,7 +35,8 @@ class Subscription:
 class Outgoing:
     """A QoS 1/2 message sent (or about to be sent) to the session's client."""
 
-    __slots__ = ("msg", "qos", "retain", "sub_ids", "packet_id", "released", "group", "tracked")
+    __slots__ = ("msg", "qos", "retain", "sub_ids", "packet_id", "released", "group", "tracked",
+                 "size")
 
     def __init__(self, msg, qos, retain, sub_ids=(), group=None, tracked=True):
         self.msg = msg
@@ -50,6 +51,8 @@ class Outgoing:
         # Delivered in log order by a subscription of this session (not retained-on-subscribe,
         # not shared): the session's log cursor must not pass it until it is acknowledged.
         self.tracked = tracked and group is None
+        # What it costs to hold (payload and topic; the message itself is shared).
+        self.size = len(msg.payload) + len(msg.topic) + 64
 
 
 class Session:
@@ -60,6 +63,7 @@ class Session:
         "topic_alias_in_max", "receive_max_in", "username", "address", "connected_at",
         "dropped", "generation", "request_problem_info", "listener", "stored", "resume_from",
         "skip_offsets", "restored_qos2", "match_cache", "cursor_saved", "resend",
+        "queued_bytes", "inflight_bytes",
     )
 
     def __init__(self, client_id):
@@ -76,6 +80,8 @@ class Session:
         self.inflight = {}  # packet id -> Outgoing, in send order
         self.queue = deque()  # Outgoing waiting for a window slot or for the client
         self.resend = deque()  # packet ids in `inflight` still to be resent after a reconnect
+        self.queued_bytes = 0  # sizes of the Outgoing in `queue`
+        self.inflight_bytes = 0  # sizes of the Outgoing in `inflight`
         self.incoming_qos2 = set()  # packet ids PUBRECed, waiting for PUBREL
         self.next_pid = 1
         # Per-connection limits, reset on every CONNECT.
@@ -104,6 +110,13 @@ class Session:
     @property
     def online(self):
         return self.conn is not None
+
+    def take_inflight(self, pid):
+        """Remove and return the Outgoing with packet id `pid` (None if unknown)."""
+        out = self.inflight.pop(pid, None)
+        if out is not None:
+            self.inflight_bytes -= out.size
+        return out
 
     def allocate_pid(self):
         """Next free packet identifier for an outgoing QoS > 0 PUBLISH."""

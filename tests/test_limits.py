@@ -1,0 +1,178 @@
+"""Limits that keep one client from hurting others: rates, sizes, counts, memory."""
+
+import socket
+import time
+
+import pytest
+
+from conftest import RawClient, get_messages, subscribe
+from wrenmq.mqtt import constants as C
+from wrenmq.mqtt.codec import encode
+from wrenmq.mqtt.packets import (Connect, Disconnect, Pingreq, Publish, Subscribe, SubscribeTopic,
+                                 Puback)
+
+
+def raw_connect(port, cid, version=5, props=None, clean=True):
+    c = RawClient(port, version)
+    c.send(Connect(cid, version, clean, 60, properties=props))
+    ack = c.recv()
+    assert ack.TYPE == C.CONNACK and ack.reason_code == 0, ack
+    return c
+
+
+def rtt(port, cid):
+    """Round trip of a PINGREQ on a fresh connection (seconds)."""
+    c = raw_connect(port, cid, 4)
+    t = time.perf_counter()
+    c.send(Pingreq())
+    assert c.recv().TYPE == C.PINGRESP
+    c.close()
+    return time.perf_counter() - t
+
+
+@pytest.mark.parametrize("version,code", [(5, C.QUOTA_EXCEEDED), (4, 0x80)])
+def test_max_subscriptions(make_broker, version, code):
+    b = make_broker("[limits]\nmax_subscriptions = 2\n")
+    c = raw_connect(b.port, "subs", version)
+    c.send(Subscribe(1, [SubscribeTopic("a"), SubscribeTopic("b"), SubscribeTopic("c")]))
+    ack = c.recv()
+    assert ack.reason_codes == [0, 0, code]
+    # Replacing an existing subscription is not a new one.
+    c.send(Subscribe(2, [SubscribeTopic("a", 1)]))
+    assert c.recv().reason_codes == [1]
+
+
+def test_max_topic_length(make_broker):
+    b = make_broker("[limits]\nmax_topic_length = 20\n")
+    c = raw_connect(b.port, "len")
+    c.send(Subscribe(1, [SubscribeTopic("x" * 21), SubscribeTopic("x" * 20)]))
+    assert c.recv().reason_codes == [C.TOPIC_FILTER_INVALID, 0]
+    c.send(Publish("y" * 21, b"p"))
+    d = c.recv()
+    assert d.TYPE == C.DISCONNECT and d.reason_code == C.TOPIC_NAME_INVALID
+    assert c.closed()
+    # Multi-byte characters count as bytes: 7 x 3 bytes = 21 > 20.
+    c2 = raw_connect(b.port, "len2")
+    c2.send(Publish("\u20ac" * 7, b"p"))
+    assert c2.recv().reason_code == C.TOPIC_NAME_INVALID
+
+
+def test_publish_rate_throttles_without_loss_or_harm_to_others(make_broker, clients):
+    b = make_broker("[limits]\npublish_rate = 200\n")
+    sub = clients(b.port, version=5)
+    subscribe(sub, "flood/#", 0)
+    flood = raw_connect(b.port, "flooder", 4)
+    quiet = rtt(b.port, "quiet-before")
+    t0 = time.monotonic()
+    # 700 messages at once: 200 pass in the first second's burst, the rest at 200/s.
+    flood.send(b"".join(encode(Publish("flood/1", b"%d" % i), 4) for i in range(700)))
+    got = get_messages(sub, 700, timeout=10)
+    took = time.monotonic() - t0
+    assert len(got) == 700, "throttling must not lose messages"
+    assert took >= 2.0, f"700 messages at 200/s (burst 200) took only {took:.2f}s"
+    # Another client is not slowed by the throttled one.
+    assert rtt(b.port, "quiet-after") < max(0.5, quiet * 20)
+
+
+def test_publish_rate_disconnect_action(make_broker):
+    b = make_broker('[limits]\npublish_rate = 50\nrate_limit_action = "disconnect"\n')
+    c = raw_connect(b.port, "fast")
+    c.send(b"".join(encode(Publish("t", b"x"), 5) for _ in range(200)))
+    while True:
+        p = c.recv()
+        assert p is not None, "closed without DISCONNECT"
+        if p.TYPE == C.DISCONNECT:
+            break
+    assert p.reason_code == C.MESSAGE_RATE_TOO_HIGH
+    assert c.closed()
+
+
+def test_publish_byte_rate(make_broker, clients):
+    b = make_broker("[limits]\npublish_byte_rate = 20000\n")
+    sub = clients(b.port, version=5)
+    subscribe(sub, "bytes/#", 0)
+    c = raw_connect(b.port, "bulky", 4)
+    t0 = time.monotonic()
+    c.send(b"".join(encode(Publish("bytes/1", b"x" * 1000), 4) for _ in range(50)))  # ~51 KB
+    got = get_messages(sub, 50, timeout=10)
+    assert len(got) == 50
+    assert time.monotonic() - t0 >= 1.0  # 20 KB burst, then 20 KB/s
+
+
+def test_connection_rate_per_listener(make_broker):
+    b = make_broker("[limits]\nconnection_rate = 5\n[sys]\ninterval = 0\n")
+    accepted = refused = 0
+    socks = []
+    for i in range(20):
+        s = socket.create_connection(("127.0.0.1", b.port))
+        socks.append(s)
+    for s in socks:
+        s.settimeout(2)
+        try:
+            data = s.recv(1)
+            refused += data == b""
+        except socket.timeout:
+            accepted += 1  # still open, waiting for CONNECT
+        except ConnectionResetError:
+            refused += 1
+    for s in socks:
+        s.close()
+    assert 1 <= accepted <= 8 and refused >= 12, (accepted, refused)
+    assert b.broker.router.stats.refused_connections >= 12
+    time.sleep(1.2)
+    rtt(b.port, "later")  # the bucket refills
+
+
+def test_max_queued_bytes_bounds_an_offline_queue(make_broker, clients):
+    b = make_broker("[limits]\nmax_queued_bytes = 50000\n")
+    s = raw_connect(b.port, "offline", 5, {"session_expiry_interval": 60}, clean=True)
+    s.send(Subscribe(1, [SubscribeTopic("big/#", 1)]))
+    assert s.recv().TYPE == C.SUBACK
+    s.send(Disconnect())
+    assert s.closed()
+    p = clients(b.port, version=5)
+    for i in range(20):
+        p.publish("big/x", b"%02d" % i + b"." * 10_000, qos=1).wait_for_publish(5)
+    session = b.broker.router.sessions["offline"]
+    assert 3 <= len(session.queue) <= 5
+    assert session.queued_bytes <= 50000
+    assert b.broker.router.stats.pub_dropped >= 15
+    s2 = raw_connect(b.port, "offline", 5, {"session_expiry_interval": 60}, clean=False)
+    first = s2.recv()
+    assert first.TYPE == C.PUBLISH and first.payload.startswith(b"00"), "the oldest are kept"
+
+
+def test_queue_memory_is_a_global_budget(make_broker, clients):
+    b = make_broker("[limits]\nqueue_memory = 60000\n")
+    for cid in ("q1", "q2", "q3"):
+        s = raw_connect(b.port, cid, 5, {"session_expiry_interval": 60})
+        s.send(Subscribe(1, [SubscribeTopic("g/#", 1)]))
+        s.recv()
+        s.send(Disconnect())
+        s.closed()
+    p = clients(b.port, version=5)
+    for i in range(10):
+        p.publish("g/x", b"." * 10_000, qos=1).wait_for_publish(5)
+    router = b.broker.router
+    assert router.queued_bytes <= 60000
+    assert sum(len(router.sessions[c].queue) for c in ("q1", "q2", "q3")) <= 6
+
+
+def test_max_inflight_bytes_holds_back_the_window(make_broker, clients):
+    b = make_broker("[limits]\nmax_inflight_bytes = 25000\n")
+    c = raw_connect(b.port, "window", 5)
+    c.send(Subscribe(1, [SubscribeTopic("w/#", 1)]))
+    assert c.recv().TYPE == C.SUBACK
+    p = clients(b.port, version=5)
+    for i in range(5):
+        p.publish("w/x", b"%d" % i + b"." * 10_000, qos=1).wait_for_publish(5)
+    got = []
+    try:
+        while True:
+            got.append(c.recv(timeout=0.5))
+    except TimeoutError:
+        pass
+    assert len(got) == 2, "two 10 KB messages fit in 25 KB"
+    c.send(Puback(got[0].packet_id))
+    nxt = c.recv()
+    assert nxt.TYPE == C.PUBLISH and nxt.payload.startswith(b"2")

@@ -25,9 +25,9 @@ TEST_DEBIAN_PKGS := \
 	mosquitto_sub:mosquitto-clients \
 	mosquitto:mosquitto
 
-# npm packages the tests need (hook, empty for now), installed into $(NPM_PREFIX);
-# their binaries are put on PATH for pytest.
-TEST_NPM_PKGS :=
+# npm packages the tests need, installed into $(NPM_PREFIX); their binaries are
+# put on PATH for pytest (mqtt = MQTT.js, for the WebSocket/TCP interop tests).
+TEST_NPM_PKGS := mqtt@5
 NPM_PREFIX    := $(VENV)/npm
 
 # Debian packages the benchmark needs.

@@ -13,6 +13,7 @@ import socket
 from ..config import Config
 from ..mqtt import constants as C
 from .connection import Connection
+from .listeners import TLSReloadHook, open_listener
 from .hooks import HookChain
 from .persistence import Persistence
 from .router import Router
@@ -59,16 +60,19 @@ class Broker:
         self.router.on_timer = self._on_timer
         if self.config.storage.mode == "disk":
             self._open_store()
-        for lst in self.config.listener:
-            server = await self.loop.create_server(
-                lambda lst=lst: Connection(self, lst), lst.bind, lst.port, backlog=4096,
-                reuse_address=True)
-            self._servers.append(server)
-            sock = server.sockets[0]
-            addr = sock.getsockname()
-            self.addresses.append((addr[0], addr[1]))
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                log.info("listening on %s:%d", addr[0], addr[1])
+        # One Listener per [[listener]] (TCP, TLS, WebSocket, Unix socket): see listeners.py.
+        try:
+            for i, lst in enumerate(self.config.listener):
+                listener = await open_listener(self, lst, i)
+                self._servers.append(listener)
+                self.addresses.append(listener.address)
+        except BaseException:
+            for listener in self._servers:  # do not leave the ones already open listening
+                listener.close()
+            self._servers.clear()
+            raise
+        if any(lst.tls for lst in self.config.listener):
+            self.hooks.add(TLSReloadHook(self))  # SIGHUP (hooks.reload) re-reads certificates
         self.running = True
         if self.config.sys.interval > 0:
             self._publish_sys()
@@ -268,3 +272,12 @@ class Broker:
 
     def add_hook(self, hook):
         self.hooks.add(hook)
+
+    def reload_tls(self):
+        """Re-read every TLS listener's certificate, key and CA (new handshakes use them;
+        open connections are untouched). A listener whose files fail to load keeps its
+        previous ones and logs why. True if all reloaded."""
+        ok = True
+        for listener in self._servers:
+            ok = listener.reload_tls() and ok
+        return ok

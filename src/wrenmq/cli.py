@@ -136,6 +136,8 @@ def build_parser():
     from .auth.commands import add_passwd_parser, add_reload_parser
     add_passwd_parser(sub)
     add_reload_parser(sub)
+    from .store.cli import add_parser as add_log_parser
+    add_log_parser(sub)
     return p
 
 

@@ -1,0 +1,364 @@
+"""Corruption and recovery of the commit log: torn tails, flipped bytes, bad and missing indexes.
+
+Every test damages real segment files the way disks and crashes do, then checks
+that the writer recovers (truncating only a real tail, rebuilding indexes) and
+that readers skip exactly the damaged records, count them and never serve them.
+"""
+
+import logging
+import re
+import struct
+import time
+
+import pyarrow as pa
+import pytest
+
+from conftest import get_messages, paho_client, subscribe
+from log_helpers import Built
+from wrenmq.store.arrow import SCHEMA, read_arrow
+from wrenmq.store.format import Batch
+from wrenmq.store.log import CommitLog, LogReader
+
+
+@pytest.fixture
+def built(tmp_path):
+    b = Built(tmp_path / "p", segment_bytes=8192, index_interval=1024, seed=7)
+    b.fill(90)
+    b.close()
+    return b
+
+
+def _flip(path, pos, mask=0x5A):
+    with open(path, "r+b") as fh:
+        fh.seek(pos)
+        byte = fh.read(1)[0]
+        fh.seek(pos)
+        fh.write(bytes([byte ^ mask]))
+
+
+def _payload_pos(path, batch_pos, index):
+    """File position of the first payload byte of record `index` of the batch at `batch_pos`."""
+    data = path.read_bytes()
+    b = Batch(data, batch_pos)
+    start = b.columns()["payload"][0]
+    off = b._array("payload_off", "I")
+    assert off[index + 1] > off[index], "pick a record with a payload"
+    return start + off[index]
+
+
+def _warnings(caplog):
+    return "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+
+
+def _files(directory, *suffixes):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.suffix in suffixes}
+
+
+def _sealed_middle_batch(built):
+    """(segment base, batch) of a batch in the middle of a sealed segment, not indexed."""
+    bases = built.segment_bases()
+    seg = bases[1]
+    reader = LogReader(built.dir)
+    indexed = set(next(s for s in reader.segments if s.base == seg).index_positions)
+    inside = [b for b in built.batches_in(seg)[1:-1] if b[1] not in indexed]
+    return seg, inside[len(inside) // 2]
+
+
+# --- torn and garbage tails ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cut", ["middle", "header", "one-byte"])
+def test_truncated_last_segment_is_cut_back_to_the_last_whole_batch(built, caplog, cut):
+    seg, pos, base, count, size = built.batches[-1]
+    path = built.seg_path(seg)
+    keep = {"middle": size // 2, "header": 20, "one-byte": 1}[cut]
+    with open(path, "r+b") as fh:
+        fh.truncate(pos + keep)
+    with caplog.at_level(logging.WARNING, "wrenmq.store"):
+        log = CommitLog(built.dir, 8192, 1024)
+    assert f"truncating {keep} bytes of torn or corrupt data at position {pos}" in _warnings(caplog)
+    assert log.truncated_bytes == keep
+    assert path.stat().st_size == pos
+    assert log.end_offset == base
+    assert list(log.records()) == built.records[:base]
+    # Offsets continue from there.
+    built.log = log
+    built.records = built.records[:base]
+    new = built.append(4)
+    assert new[0].offset == base
+    log.close()
+    reader = LogReader(built.dir)
+    assert list(reader.records()) == built.records
+    assert reader.verify() == [] and reader.corrupt_records == 0
+
+
+@pytest.mark.parametrize("junk", ["garbage", "zeros", "stale-batch", "crc-failed-last-batch"])
+def test_junk_after_the_last_batch_is_truncated(built, caplog, junk):
+    seg, pos, base, count, size = built.batches[-1]
+    path = built.seg_path(seg)
+    data = path.read_bytes()
+    before = len(data)
+    if junk == "crc-failed-last-batch":
+        _flip(path, _payload_pos(path, pos, count - 1) if any(r.payload for r in built.records[base:])
+              else pos + 60)
+        added, cut_at = size, pos
+    else:
+        extra = {"garbage": bytes(range(256)) * 3 + b"WRN1",
+                 "zeros": bytes(4096),
+                 "stale-batch": data[:built.batches_in(seg)[0][4]]}[junk]  # an intact old batch
+        with open(path, "ab") as fh:
+            fh.write(extra)
+        added, cut_at = len(extra), before
+    with caplog.at_level(logging.WARNING, "wrenmq.store"):
+        log = CommitLog(built.dir, 8192, 1024)
+    assert re.search(rf"truncating {added} bytes .* at position {cut_at}\b", _warnings(caplog))
+    assert path.stat().st_size == cut_at
+    kept = built.records if cut_at == before else built.records[:base]
+    assert list(log.records()) == kept and log.end_offset == len(kept)
+    log.close()
+    assert LogReader(built.dir).verify() == []
+
+
+def test_whole_active_segment_of_garbage(built, caplog):
+    last = built.segment_bases()[-1]
+    path = built.seg_path(last)
+    size = path.stat().st_size
+    path.write_bytes(b"\xff" * size)
+    with caplog.at_level(logging.WARNING, "wrenmq.store"):
+        log = CommitLog(built.dir, 8192, 1024)
+    assert f"truncating {size} bytes" in _warnings(caplog)
+    assert log.end_offset == last and path.stat().st_size == 0
+    assert list(log.records()) == built.records[:last]
+    log.close()
+
+
+# --- flipped bytes inside the log -------------------------------------------------------------
+
+
+def _check_skips_exactly(built, reader, bad_offsets, caplog):
+    expected = [r for r in built.records if r.offset not in bad_offsets]
+    with caplog.at_level(logging.ERROR, "wrenmq.store"):
+        got = list(reader.records())
+    assert got == expected, "served records must be exactly the undamaged ones"
+    assert reader.corrupt_records == len(bad_offsets)
+    # Counted once, however often the damage is read over.
+    assert list(reader.records(min(bad_offsets) - 1)) == [r for r in expected if r.offset >= min(bad_offsets) - 1]
+    assert reader.corrupt_records == len(bad_offsets)
+    # Arrow readers skip the same records.
+    table = pa.Table.from_batches(list(read_arrow(reader)), schema=SCHEMA)
+    assert table.column("offset").to_pylist() == [r.offset for r in expected]
+    assert table.column("payload").to_pylist() == [r.payload for r in expected]
+    return _warnings(caplog)
+
+
+def test_flipped_payload_byte_in_a_sealed_segment(built, caplog):
+    seg, (_, pos, base, count, size) = _sealed_middle_batch(built)
+    path = built.seg_path(seg)
+    k = next(i for i in range(count) if built.records[base + i].payload)
+    _flip(path, _payload_pos(path, pos, k))
+    bad = {base + k}
+    logged = _check_skips_exactly(built, LogReader(built.dir), bad, caplog)
+    assert f"{path}: batch at position {pos}" in logged and f"offsets {base + k}" in logged
+    problems = LogReader(built.dir).verify()
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{path}: batch at position {pos} (offsets {base}-{base + count - 1}):")
+    assert problems[0].endswith(f"damaged records: offsets {base + k}")
+    # The writer does not touch a sealed segment's data.
+    log = CommitLog(built.dir, 8192, 1024)
+    assert log.truncated_bytes == 0 and log.end_offset == len(built.records)
+    log.close()
+
+
+def test_flipped_bytes_in_the_active_segment_before_intact_batches_are_kept(tmp_path, caplog):
+    """A damaged batch followed by intact ones is not a torn tail: truncating would throw away
+    acknowledged records. It is reported, and readers skip the damaged records."""
+    built = Built(tmp_path / "p", segment_bytes=1 << 20, index_interval=1024, seed=8)
+    built.fill(40)
+    built.close()
+    last = built.segment_bases()[-1]
+    batches = built.batches_in(last)
+    assert len(batches) >= 4
+    _, pos, base, count, size = batches[len(batches) // 2]
+    path = built.seg_path(last)
+    k = next(i for i in range(count) if built.records[base + i].payload)
+    _flip(path, _payload_pos(path, pos, k))
+    size_before = path.stat().st_size
+    with caplog.at_level(logging.WARNING, "wrenmq.store"):
+        log = CommitLog(built.dir, 1 << 20, 1024)
+    assert path.stat().st_size == size_before and log.truncated_bytes == 0
+    assert f"batch at position {pos}" in _warnings(caplog) and "truncating" not in _warnings(caplog)
+    assert log.end_offset == len(built.records)
+    built.log = log
+    built.append(3)
+    log.close()
+    caplog.clear()
+    _check_skips_exactly(built, LogReader(built.dir), {base + k}, caplog)
+
+
+@pytest.mark.parametrize("how", ["not-a-multiple-of-8", "past-the-end", "shorter", "bad-magic"])
+def test_damaged_batch_header_skips_to_the_next_batch(built, caplog, how):
+    seg, (_, pos, base, count, size) = _sealed_middle_batch(built)
+    path = built.seg_path(seg)
+    with open(path, "r+b") as fh:
+        fh.seek(pos)
+        if how == "bad-magic":
+            fh.write(b"WRN2")
+        else:
+            fh.seek(pos + 4)
+            length = {"not-a-multiple-of-8": size - 8 + 3, "past-the-end": size + 64 * 1024,
+                      "shorter": 40}[how]
+            fh.write(struct.pack("<I", length))
+    bad = set(range(base, base + count))
+    reader = LogReader(built.dir)
+    logged = _check_skips_exactly(built, reader, bad, caplog)
+    assert f"{path}: " in logged and f"at position {pos}" in logged
+    problems = reader.verify()
+    assert len(problems) == 1 and problems[0].startswith(f"{path}: ")
+    lost = f"{base}-{base + count - 1}" if count > 1 else f"{base}"
+    assert f"at position {pos}" in problems[0] and f"offsets {lost} lost" in problems[0]
+
+
+def test_unreadable_stretch_resumes_at_the_next_index_entry(built, caplog):
+    """When nothing intact is left before the next index entry, the reader resumes there."""
+    seg = built.segment_bases()[1]
+    path = built.seg_path(seg)
+    reader = LogReader(built.dir)
+    s = next(x for x in reader.segments if x.base == seg)
+    assert len(s.index_positions) >= 3
+    p1, p2 = s.index_positions[1], s.index_positions[2]
+    o1, o2 = s.index_offsets[1], s.index_offsets[2]
+    with open(path, "r+b") as fh:  # wipe everything from one index entry to the next
+        fh.seek(p1)
+        fh.write(b"\xee" * (p2 - p1))
+    reader = LogReader(built.dir)
+    _check_skips_exactly(built, reader, set(range(o1, o2)), caplog)
+    assert any(f"{p2 - p1} unreadable bytes at position {p1}" in p for p in reader.verify())
+
+
+@pytest.mark.parametrize("field", ["base", "count", "timestamp", "flags"])
+def test_damage_outside_the_record_crcs_never_serves_wrong_records(built, caplog, field):
+    seg, (_, pos, base, count, size) = _sealed_middle_batch(built)
+    path = built.seg_path(seg)
+    cols = Batch(path.read_bytes(), pos).columns()
+    if field == "base":
+        _flip(path, pos + 12, 0x01)  # offsets would be wrong: the whole batch is unreadable
+        bad = set(range(base, base + count))
+    elif field == "count":
+        _flip(path, pos + 20, 0x02)
+        bad = set(range(base, base + count))
+    elif field == "timestamp":
+        _flip(path, cols["timestamps"][0] + 8 * (count - 1) + 6, 0x08)
+        bad = {base + count - 1}
+    else:
+        _flip(path, cols["flags"][0], 0x08)  # a bit that is never set
+        bad = {base}
+    _check_skips_exactly(built, LogReader(built.dir), bad, caplog)
+    assert LogReader(built.dir).verify() != []
+
+
+# --- indexes -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["sealed", "active", "all"])
+@pytest.mark.parametrize("damage", ["missing", "half-written", "stale", "garbage"])
+def test_bad_indexes_are_rebuilt_equal_to_the_original(built, caplog, which, damage):
+    original = _files(built.dir, ".index", ".timeindex")
+    bases = built.segment_bases()
+    targets = {"sealed": bases[1:2], "active": bases[-1:], "all": bases}[which]
+    for b in targets:
+        for ext, entry in (("index", 8), ("timeindex", 16)):
+            p = built.seg_path(b, ext)
+            raw = p.read_bytes()
+            if damage == "missing":
+                p.unlink()
+            elif damage == "half-written":
+                p.write_bytes(raw[:len(raw) - entry // 2])
+            elif damage == "stale":  # entries for batches past the end of the log
+                size = built.seg_path(b).stat().st_size
+                extra = (struct.pack("<II", 10_000, size + 64) if ext == "index"
+                         else struct.pack("<qII", 2**60, 10_000, 0))
+                p.write_bytes(raw + extra)
+            else:
+                p.write_bytes(bytes(len(raw)))
+    # Readers cope without them (and without writing anything)...
+    reader = LogReader(built.dir)
+    assert list(reader.records()) == built.records and reader.corrupt_records == 0
+    assert [r.offset for r in reader.records(500, 520)] == list(range(500, 520))
+    assert reader.offset_for_time(built.records[300].timestamp) <= 300
+    problems = reader.verify()
+    assert problems and all(".index" in p or ".timeindex" in p for p in problems)
+    # ... and the writer rebuilds them, identical to what appends wrote.
+    with caplog.at_level(logging.WARNING, "wrenmq.store"):
+        log = CommitLog(built.dir, 8192, 1024)
+    assert "rebuilding" in _warnings(caplog)
+    assert _files(built.dir, ".index", ".timeindex") == original
+    assert log.truncated_bytes == 0 and list(log.records()) == built.records
+    log.close()
+    assert LogReader(built.dir).verify() == []
+
+
+def test_index_left_stale_by_a_torn_tail(built, caplog):
+    """The index names the last batch, but the crash cut that batch short."""
+    built.log = CommitLog(built.dir, 8192, 1)  # an index entry for every batch
+    built.append(2)
+    built.close()
+    seg, pos, base, count, size = built.batches[-1]
+    with open(built.seg_path(seg), "r+b") as fh:
+        fh.truncate(pos + size - 8)
+    assert len(built.seg_path(seg, "index").read_bytes()) // 8 >= 2
+    with caplog.at_level(logging.WARNING, "wrenmq.store"):
+        log = CommitLog(built.dir, 8192, 1)
+    assert f"truncating {size - 8} bytes" in _warnings(caplog)
+    assert log.end_offset == base
+    log.close()
+    reader = LogReader(built.dir)
+    assert reader.verify() == [] and list(reader.records()) == built.records[:base]
+
+
+def test_orphan_index_and_temp_files_are_removed(built):
+    (built.dir / "00000000000099999999.index").write_bytes(b"x" * 8)
+    (built.dir / "00000000000099999999.timeindex").write_bytes(b"x" * 16)
+    (built.dir / f"{built.segment_bases()[0]:020d}.index.tmp").write_bytes(b"half")
+    CommitLog(built.dir, 8192, 1024).close()
+    assert not list(built.dir.glob("*99999999*")) and not list(built.dir.glob("*.tmp"))
+
+
+# --- the broker ------------------------------------------------------------------------------
+
+
+def test_broker_starts_on_a_torn_tail_and_reports_it(tmp_path, serve_broker):
+    data = tmp_path / "data"
+    b = serve_broker(args=("--data-dir", str(data)))
+    pub = paho_client(b.port, version=5)
+    for i in range(5):
+        pub.publish("torn/t", b"before-%d" % i, qos=1).wait_for_publish(5)
+    pub.disconnect()
+    pub.loop_stop()
+    assert b.stop() == 0
+    (node,) = (data / "log").iterdir()
+    seg = sorted(node.glob("*.log"))[-1]
+    whole = seg.read_bytes()
+    first = Batch(whole)
+    with open(seg, "ab") as fh:
+        fh.write(whole[:first.size][:first.size // 2])  # half a batch: a write cut short
+    torn = first.size // 2
+
+    b2 = serve_broker(args=("--data-dir", str(data)))
+    deadline = time.monotonic() + 5
+    while f"truncating {torn} bytes" not in b2.log and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"truncating {torn} bytes" in b2.log, b2.log
+    sub = paho_client(b2.port, version=5)
+    subscribe(sub, "torn/#", 1)
+    pub = paho_client(b2.port, version=5)
+    pub.publish("torn/t", b"after", qos=1).wait_for_publish(5)
+    got = get_messages(sub, 1)
+    assert [m.payload for m in got] == [b"after"]
+    for c in (sub, pub):
+        c.disconnect()
+        c.loop_stop()
+    assert b2.stop() == 0
+    reader = LogReader(node)
+    recs = [r.payload for r in reader.records(topic_filters=["torn/#"])]
+    assert recs == [b"before-%d" % i for i in range(5)] + [b"after"]
+    assert reader.verify() == []

@@ -1,0 +1,361 @@
+"""The commit log's format and its segmented log: round trips, CRCs, Arrow, offsets, time, retention.
+
+Real files in temporary directories; no mocks.
+"""
+
+import os
+import random
+import struct
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from log_helpers import T0, Built, batch_crc_algo, encode
+from wrenmq.broker.topics import topic_matches
+from wrenmq.store.arrow import SCHEMA, batch_to_arrow, read_arrow, records_to_arrow
+from wrenmq.store.format import HEADER, HEADER_SIZE, BadRecord, Batch, CorruptBatch, Record, read_prefix
+from wrenmq.store.log import CommitLog, LogReader
+
+# --- the batch format ----------------------------------------------------------------------
+
+_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
+_record = st.tuples(
+    st.integers(0, 4 * 10**15),  # timestamp (microseconds: up to the year 2096)
+    st.integers(0, 2),  # qos
+    st.booleans(),  # retain
+    _text.filter(bool),  # topic
+    _text,  # client id
+    st.binary(max_size=24),  # properties (raw)
+    st.binary(max_size=200),  # payload
+    st.integers(0, 65535),  # packet id
+)
+
+
+def _records(base, rows):
+    return [Record(base + i, ts, q, r, t, c, p, y, pid) for i, (ts, q, r, t, c, p, y, pid) in enumerate(rows)]
+
+
+def _table(batches):
+    return pa.Table.from_batches(list(batches), schema=SCHEMA)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(base=st.integers(0, 2**40), rows=st.lists(_record, min_size=1, max_size=20))
+def test_batch_round_trip_and_arrow_equal_per_record(base, rows):
+    recs = _records(base, rows)
+    data = encode(recs)
+    assert len(data) % 8 == 0
+    assert read_prefix(data) == len(data)
+    magic, length, _, hbase, count, first_ts, max_ts, attrs, _ = HEADER.unpack_from(data)
+    assert (magic, length + 8, hbase, count) == (b"WRN1", len(data), base, len(recs))
+    assert first_ts == recs[0].timestamp and max_ts == max(r.timestamp for r in recs) and attrs == 0
+    b = Batch(data)
+    assert (b.base, b.count, b.next_offset, b.size) == (base, len(recs), base + len(recs), len(data))
+    assert b.data_size() == len(data)
+    assert list(b.records()) == recs
+    if all(r.timestamp >= recs[0].timestamp - 1_000_000 for r in recs):
+        # (Salvage also wants the timestamps of one batch close together, as a group commit's are.)
+        assert list(b.records(check_records=True)) == recs
+    assert b.topics() == [r.topic for r in recs]
+    # Arrow over the batch bytes equals the per-record path, every column, exactly.
+    fast = batch_to_arrow(b)
+    slow = records_to_arrow(recs)
+    assert fast.schema == slow.schema == SCHEMA
+    assert fast.equals(slow)
+    assert fast.to_pydict() == slow.to_pydict()
+    assert fast.column("payload").to_pylist() == [r.payload for r in recs]
+    assert fast.column("properties").to_pylist() == [r.properties for r in recs]
+    # ... also for a batch in the middle of a larger buffer (how the reader holds them).
+    shifted = Batch(b"\0" * 64 + data + b"\0" * 8, 64)
+    assert list(shifted.records()) == recs
+    assert batch_to_arrow(shifted).equals(slow)
+
+
+def test_empty_payloads_and_properties_round_trip():
+    recs = [Record(7 + i, T0 + i, i % 3, bool(i % 2), f"t/{i}", "" if i % 2 else "c", b"", b"", 0)
+            for i in range(9)]
+    b = Batch(encode(recs))
+    assert list(b.records()) == recs
+    rb = batch_to_arrow(b)
+    assert rb.equals(records_to_arrow(recs))
+    assert rb.column("payload").to_pylist() == [b""] * 9
+    assert rb.column("client_id").to_pylist() == ["c", "", "c", "", "c", "", "c", "", "c"]
+
+
+def test_record_crc_covers_each_record_and_is_checked():
+    rng = random.Random(3)
+    recs = [Record(100 + i, T0 + i, 1, False, f"t/{i}", f"c{i}", b"\x01\x00\x00\x00\x07" if i % 2 else b"",
+                   rng.randbytes(50), 0) for i in range(6)]
+    data = bytearray(encode(recs))
+    crc = batch_crc_algo(data)
+    b = Batch(bytes(data))
+    crcs = b._array("crc", "I")
+    for i, r in enumerate(recs):
+        assert crcs[i] == crc(r.topic.encode() + r.client_id.encode() + r.properties + r.payload)
+    # One flipped payload byte: the batch CRC fails, only that record fails its own.
+    s, _ = b.columns()["payload"]
+    data[s + 3 * 50 + 10] ^= 0x40
+    with pytest.raises(CorruptBatch):
+        Batch(bytes(data))
+    out = list(Batch(bytes(data), verify=False).records(check_records=True))
+    assert [type(r) for r in out] == [Record] * 3 + [BadRecord] + [Record] * 2
+    assert out[3].offset == 103
+    assert [r for r in out if isinstance(r, Record)] == recs[:3] + recs[4:]
+
+
+@pytest.mark.parametrize("field", ["timestamp", "flags-qos3", "flags-bit7", "first_ts"])
+def test_salvage_refuses_records_whose_uncovered_fields_look_damaged(field):
+    """Timestamps and flags are outside the record CRC; in a damaged batch they must look sound."""
+    recs = [Record(i, T0 + i, 1, False, "t", "c", b"", b"p%d" % i, 0) for i in range(5)]
+    data = bytearray(encode(recs))
+    cols = Batch(bytes(data)).columns()
+    if field == "timestamp":
+        data[cols["timestamps"][0] + 8 * 2 + 6] ^= 0x10  # record 2: far in the future
+        bad = 2
+    elif field == "flags-qos3":
+        data[cols["flags"][0] + 1] |= 3
+        bad = 1
+    elif field == "flags-bit7":
+        data[cols["flags"][0] + 4] |= 0x80
+        bad = 4
+    else:
+        struct.pack_into("<q", data, 24, T0 - 5)
+        bad = 0
+    out = list(Batch(bytes(data), verify=False).records(check_records=True))
+    assert [i for i, r in enumerate(out) if isinstance(r, BadRecord)] == [bad]
+
+
+def test_batch_sizes_are_multiples_of_8():
+    for n in range(1, 40):
+        recs = [Record(i, T0, 0, False, "t" * (i % 5 + 1), "c" * (i % 3), b"", b"x" * (i * 7 % 13), 0)
+                for i in range(n)]
+        data = encode(recs)
+        assert len(data) % 8 == 0 and read_prefix(data) == len(data)
+
+
+def test_header_damage_is_detected():
+    data = encode([Record(0, T0, 0, False, "t", "c", b"", b"payload", 0)])
+    assert read_prefix(b"XRN1" + data[4:]) is None
+    assert read_prefix(data[:4] + struct.pack("<I", 41) + data[8:]) is None  # not a multiple of 8
+    with pytest.raises(CorruptBatch):
+        Batch(data[:-8])  # runs past the end of the data
+    with pytest.raises(CorruptBatch):
+        Batch(data[:12] + struct.pack("<q", 1) + data[20:])  # base changed: CRC
+
+
+# --- the log -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def built(tmp_path):
+    b = Built(tmp_path / "p", segment_bytes=8192, index_interval=512, seed=11)
+    # Timestamps mostly rise; twice the clock steps back (by 5 s) to keep offset_for_time honest.
+    b.fill(60)
+    b.append(ts=b.ts - 5_000_000)
+    b.fill(60)
+    b.append(ts=b.ts - 5_000_000)
+    b.fill(30)
+    yield b
+    b.close()
+
+
+def test_append_across_segments_and_read_ranges(built):
+    log = built.log
+    expected = built.records
+    n = len(expected)
+    assert len(log.segments) >= 5, "small segment_bytes must roll several segments"
+    assert built.segment_bases() == [s.base for s in log.segments]
+    for s in log.segments:
+        assert os.path.getsize(s.log_path) <= 8192 and os.path.getsize(s.log_path) == s.size
+    reader = LogReader(built.dir)
+    for src in (log, reader):
+        assert list(src.records()) == expected
+        assert (src.start_offset, src.end_offset) == (0, n)
+        rng = random.Random(5)
+        for _ in range(60):
+            a = rng.randint(0, n)
+            e = rng.choice([None, rng.randint(a, n + 3)])
+            assert list(src.records(a, e)) == expected[a:e], (a, e)
+        # Batch boundaries and segment boundaries exactly.
+        for seg in src.segments:
+            assert list(src.records(seg.base, seg.base + 1)) == expected[seg.base:seg.base + 1]
+            assert list(src.records(seg.base - 1, seg.base + 1)) == expected[max(0, seg.base - 1):seg.base + 1]
+        assert list(src.records(n, None)) == []
+        assert list(src.records(n + 10, None)) == []
+        assert src.corrupt_records == 0
+    assert reader.verify() == []
+
+
+def test_topic_filters_on_records(built):
+    reader = LogReader(built.dir)
+    for filters in (["a/#"], ["+/b", "x"], ["sensors/+/temp"], ["#"], ["nothing/here"]):
+        got = list(reader.records(topic_filters=filters))
+        assert got == [r for r in built.records if any(topic_matches(f, r.topic) for f in filters)]
+
+
+def test_offset_for_time_is_exact(built):
+    expected = built.records
+    reader = LogReader(built.dir)
+
+    def first_at_or_after(t):
+        return next((r.offset for r in expected if r.timestamp >= t), len(expected))
+
+    times = [r.timestamp for r in expected]
+    rng = random.Random(9)
+    probes = {min(times) - 1, min(times), max(times), max(times) + 1, 0}
+    probes |= {t + d for t in rng.sample(times, 80) for d in (-1, 0, 1)}
+    probes |= {rng.randint(min(times), max(times)) for _ in range(80)}
+    for src in (built.log, reader):
+        for t in sorted(probes):
+            assert src.offset_for_time(t) == first_at_or_after(t), t
+
+
+def test_stats(built):
+    expected = built.records
+    for src in (built.log, LogReader(built.dir)):
+        st = src.stats()
+        assert st["segments"] == len(built.segment_bases())
+        assert (st["start_offset"], st["end_offset"], st["records"]) == (0, len(expected), len(expected))
+        assert st["bytes"] == sum(p.stat().st_size for p in built.dir.glob("*.log"))
+        assert st["first_timestamp_us"] == expected[0].timestamp
+        assert st["last_timestamp_us"] == max(r.timestamp for r in expected)
+
+
+def test_reopen_continues_offsets_and_indexes_match_a_rebuild(built):
+    n = len(built.records)
+    built.close()
+    index_files = {p.name: p.read_bytes() for p in built.dir.iterdir() if p.suffix in (".index", ".timeindex")}
+    built.log = built.open()
+    assert built.log.end_offset == n and built.log.truncated_bytes == 0
+    # What append wrote is exactly what recovery would rebuild.
+    assert {p.name: p.read_bytes() for p in built.dir.iterdir() if p.suffix in (".index", ".timeindex")} \
+        == index_files
+    recs = built.append(5)
+    assert recs[0].offset == n
+    with pytest.raises(ValueError):
+        built.log.append(encode(recs), n, 5, T0, T0)  # not at the log end
+    assert list(built.log.records()) == built.records
+    built.close()
+    built.log = built.open()
+    assert built.log.end_offset == n + 5
+    assert list(LogReader(built.dir).records(n)) == recs
+
+
+def test_reader_follows_a_writer(tmp_path):
+    b = Built(tmp_path / "p", segment_bytes=4096, index_interval=256, seed=2)
+    reader = LogReader(b.dir)
+    assert list(reader.records()) == [] and reader.end_offset == 0
+    for round_ in range(6):
+        b.fill(8)
+        reader.refresh()
+        assert reader.end_offset == len(b.records)
+        assert list(reader.records()) == b.records
+    assert len(reader.segments) > 2
+    b.close()
+
+
+def test_empty_log(tmp_path):
+    log = CommitLog(tmp_path / "p")
+    assert (log.start_offset, log.end_offset) == (0, 0)
+    assert list(log.records()) == [] and log.offset_for_time(0) == 0
+    assert log.stats()["records"] == 0 and log.stats()["first_timestamp_us"] is None
+    assert log.verify() == []
+    log.close()
+    assert LogReader(tmp_path / "nothing").stats()["segments"] == 0
+
+
+# --- Arrow ---------------------------------------------------------------------------------
+
+
+def test_read_arrow_equals_records(built):
+    reader = LogReader(built.dir)
+    n = len(built.records)
+    rng = random.Random(4)
+    cases = [(0, None, None), (0, n, ["a/#"]), (n, None, None)]
+    cases += [(rng.randint(0, n), None, None) for _ in range(10)]
+    cases += [(a, rng.randint(a, n), rng.choice([None, ["x/#"], ["+/b", "sensors/+/temp"]]))
+              for a in (rng.randint(0, n) for _ in range(20))]
+    for a, e, f in cases:
+        fast = _table(read_arrow(reader, a, e, f))
+        slow = _table([records_to_arrow(list(reader.records(a, e, f)))])
+        assert fast.equals(slow), (a, e, f)
+        # Filter pushdown equals filtering afterwards.
+        if f:
+            everything = _table(read_arrow(reader, a, e)).to_pylist()
+            assert fast.to_pylist() == [row for row in everything
+                                        if any(topic_matches(x, row["topic"]) for x in f)]
+    for limit in (0, 1, 7, n, n + 5):
+        got = _table(read_arrow(reader, 3, None, None, max_rows=limit))
+        assert got.column("offset").to_pylist() == list(range(3, min(n, 3 + limit)))
+
+
+# --- retention ---------------------------------------------------------------------------------
+
+
+def _sizes(log):
+    return [s.size for s in log.segments]
+
+
+def test_retention_by_bytes_deletes_whole_oldest_segments(built):
+    log = built.log
+    before = list(log.segments)
+    sizes = _sizes(log)
+    limit = sum(sizes) // 2
+    deleted, lost = log.enforce_retention(retention_bytes=limit)
+    assert lost == 0 and deleted >= 1
+    assert log.segments == before[deleted:]
+    assert sum(_sizes(log)) <= limit < sum(sizes[deleted - 1:])  # not one segment more than needed
+    for s in before[:deleted]:
+        assert not os.path.exists(s.log_path) and not os.path.exists(s.index_path)
+    reader = LogReader(built.dir)
+    start = log.segments[0].base
+    assert reader.start_offset == start
+    assert list(reader.records()) == built.records[start:]
+    assert list(reader.records(0, start + 3)) == built.records[start:start + 3]
+    assert reader.corrupt_records == 0  # retention is not corruption
+    assert reader.verify() == []
+    # Never the active segment, however small the limit.
+    log.enforce_retention(retention_bytes=1)
+    assert log.segments == before[-1:]
+    assert list(log.records()) == built.records[before[-1].base:]
+
+
+def test_retention_by_age(built):
+    log = built.log
+    segs = list(log.segments)
+    cutoff = segs[2].max_ts + 1  # segments 0..2 are entirely older than this
+    assert segs[3].max_ts >= cutoff
+    deleted, lost = log.enforce_retention(retention_hours=1.0, now_us=cutoff + 3600 * 10**6)
+    assert (deleted, lost) == (3, 0)
+    assert log.segments == segs[3:]
+    # Everything old, but the active segment stays.
+    assert log.enforce_retention(retention_hours=1.0, now_us=10**18)[0] == len(segs) - 4
+    assert log.segments == segs[-1:]
+
+
+def test_retention_keeps_segments_still_needed_unless_hard_limit(built):
+    log = built.log
+    segs = list(log.segments)
+    protect = segs[3].base + 1  # a session still needs offsets from inside segment 3
+    assert log.enforce_retention(retention_bytes=1, protect_from=protect) == (3, 0)
+    assert log.segments == segs[3:]
+    assert log.enforce_retention(retention_bytes=1, protect_from=protect) == (0, 0)
+    # Over the hard limit the needed segments go too, and the loss is counted exactly.
+    total = sum(_sizes(log))
+    hard = total - segs[3].size - segs[4].size + 1
+    deleted, lost = log.enforce_retention(retention_bytes=1, protect_from=protect, hard_bytes=hard)
+    assert deleted == 2
+    assert lost == (segs[3].next_offset - protect) + (segs[4].next_offset - segs[4].base)
+    assert log.segments == segs[5:]
+    assert sum(_sizes(log)) <= hard
+
+
+def test_hard_limit_alone_is_a_size_limit(built):
+    log = built.log
+    segs = list(log.segments)
+    hard = sum(_sizes(log)) - segs[0].size - 1
+    deleted, lost = log.enforce_retention(protect_from=0, hard_bytes=hard)
+    assert deleted == 2 and lost == segs[2].base
+    assert log.enforce_retention(protect_from=0, hard_bytes=10**12) == (0, 0)

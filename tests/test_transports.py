@@ -200,6 +200,9 @@ def read_packets(sock_recv, decoder, n=1, timeout=5.0):
     ('type = "unix"\npath = "/tmp/x.sock"\nmode = "999"', "listener[0].mode: expected an octal file mode"),
     ('type = "wss"', "listener[0].type: expected one of mqtt, ws, unix"),
     ('tls = true\ncertfile = "{crt}"\nmin_tls_version = "1.1"', "listener[0].min_tls_version: expected one of 1.2, 1.3"),
+    ('tls = true\ncertfile = "{crt}"\ncrlfile = "{ca}"', "listener[0].crlfile: needs cafile"),
+    ('origins = ["https://a.example"]', 'listener[0].origins: only for type = "ws"'),
+    ('type = "ws"\norigins = ["a.example"]', "listener[0].origins: expected origins like"),
 ])
 def test_listener_config_errors_name_the_key(pki, text, key):
     text = text.format(crt=pki.server_cert, ca=pki.ca_file)
@@ -515,6 +518,43 @@ def test_tls_and_wss_on_the_default_asyncio_loop(monkeypatch, pki, pahos, caplog
         b.stop()
 
 
+def make_crl(pki, *revoked):
+    """A PEM CRL signed by the test CA, revoking the given trustme leaf certificates."""
+    import datetime
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    ca_key = serialization.load_pem_private_key(pki.ca.private_key_pem.bytes(), None)
+    ca_cert = x509.load_pem_x509_certificate(pki.ca.cert_pem.bytes())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca_cert.subject)
+               .last_update(now - datetime.timedelta(minutes=1))
+               .next_update(now + datetime.timedelta(days=1)))
+    for leaf in revoked:
+        serial = x509.load_pem_x509_certificate(leaf.cert_chain_pems[0].bytes()).serial_number
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build())
+    return builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+def test_tls_revoked_client_certificate_refused_after_reload(make_broker, pki, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    crl = tmp_path / "crl.pem"
+    crl.write_bytes(make_crl(pki))
+    port = free_port()
+    b = make_broker(tls_listener(pki, port, cafile=pki.ca_file, require_certificate=True, crlfile=str(crl)))
+    args = ["-p", port, "-h", "127.0.0.1", "--cafile", pki.ca_file, "-t", "crl/x", "-m", "m", "-q", "1",
+            "--cert", pki.client_cert, "--key", pki.client_key]
+    r = mosq("mosquitto_pub", *args)
+    assert r.returncode == 0, r.stderr
+    crl.write_bytes(make_crl(pki, pki.client))
+    b.call(b.broker.hooks.reload)  # what SIGHUP does
+    assert "TLS certificate reloaded" in caplog.text
+    r = mosq("mosquitto_pub", *args)
+    assert r.returncode != 0
+    assert wait_log(caplog, "certificate revoked")
+
+
 # --- TLS reload on SIGHUP ----------------------------------------------------------------
 
 
@@ -624,6 +664,24 @@ def test_websocket_path_and_subprotocol(make_broker, pahos, caplog):
         assert ws.subprotocol is None
         ws.send(connect_bytes())
         assert Decoder(C.MQTT311).feed(ws.recv(timeout=5))[0].TYPE == C.CONNACK
+
+
+def test_websocket_allowed_origins(make_broker, caplog):
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    caplog.set_level(logging.INFO)
+    port = free_port()
+    make_broker(ws_listener(port, origins=["https://app.example.com"]))
+    url = f"ws://127.0.0.1:{port}/mqtt"
+    with pytest.raises(InvalidStatus) as e:
+        connect(url, subprotocols=["mqtt"], origin="https://evil.example.net", open_timeout=5)
+    assert e.value.response.status_code == 403
+    assert wait_log(caplog, "came from origin https://evil.example.net, not an allowed one: 403")
+    for origin in ("https://app.example.com", None):  # an allowed page; a client that is no browser
+        with connect(url, subprotocols=["mqtt"], origin=origin, open_timeout=5) as ws:
+            ws.send(connect_bytes())
+            assert Decoder(C.MQTT311).feed(ws.recv(timeout=5))[0].TYPE == C.CONNACK
 
 
 def test_websocket_frames_split_and_joined(make_broker):
@@ -760,6 +818,33 @@ def test_mqttjs_over_websocket_and_tcp(make_broker, pki, version):
     assert r["ok"] and r["qos"] == 1 and r["payload"] == f"hello from MQTT.js (MQTT {version})"
     assert node_roundtrip(tcp, ws, version)["ok"]
     assert node_roundtrip(wss, ws, version, pki.ca_file)["ok"]
+
+
+def test_stop_is_quick_with_silent_connections_on_every_listener(pki, tmp_path):
+    """Connections that never finish their TLS, WebSocket or MQTT handshake do not hold
+    up a shutdown."""
+    ports = [free_port() for _ in range(3)]
+    path = unix_path(tmp_path)
+    b = RunningBroker(tls_listener(pki, ports[0]) + ws_listener(ports[1]) + ws_listener(ports[2], pki)
+                      + f'[[listener]]\ntype = "unix"\npath = "{path}"\n')
+    socks = [socket.create_connection(("127.0.0.1", p)) for p in [b.port, *ports]]
+    u = socket.socket(socket.AF_UNIX)
+    u.connect(str(path))
+    socks.append(u)
+    w = socket.create_connection(("127.0.0.1", ports[1]))
+    w.sendall(b"GET /mqtt HTTP/1.1\r\nHost: x\r\n")  # half a request
+    socks.append(w)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    b.stop()
+    assert time.monotonic() - t0 < 3
+    for s in socks:
+        s.settimeout(2)
+        try:
+            assert s.recv(100) == b""
+        except ConnectionResetError:
+            pass
+        s.close()
 
 
 # --- Unix domain socket --------------------------------------------------------------------

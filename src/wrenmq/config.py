@@ -45,7 +45,12 @@ class ListenerConfig:
     use_identity_as_username: bool = _key(False, "Use the client certificate's CN as the user name "
                                           "(needs require_certificate; the CONNECT's user name and "
                                           "password are ignored).")
+    crlfile: str = _key("", "PEM certificate revocation list(s) of cafile: revoked client certificates "
+                        "are refused. Reloaded on SIGHUP.")
     min_tls_version: str = _key("1.2", "Oldest TLS version accepted.", choices=("1.2", "1.3"))
+    origins: list = _key([], "ws: allowed browser origins (e.g. \"https://app.example.com\"); a "
+                         "request with another Origin header gets 403. Clients that send none "
+                         "(non-browsers) are let in. Empty = any origin.")
 
     @property
     def label(self):
@@ -262,6 +267,11 @@ def _validate_listener(src, i, lst):
             fail("path", f"expected an HTTP path starting with '/', got {lst.path!r}")
     elif lst.path:
         fail("path", "only for type = \"ws\" or \"unix\"")
+    if lst.origins and lst.type != "ws":
+        fail("origins", "only for type = \"ws\"")
+    for origin in lst.origins:
+        if "://" not in origin:
+            fail("origins", f"expected origins like \"https://host[:port]\", got {origin!r}")
     try:
         mode = int(lst.mode, 8)
     except ValueError:
@@ -269,13 +279,14 @@ def _validate_listener(src, i, lst):
     if not 0 <= mode <= 0o777:
         fail("mode", f"expected an octal file mode such as \"0660\", got {lst.mode!r}")
     if not lst.tls:
-        for key in ("certfile", "keyfile", "cafile", "require_certificate", "use_identity_as_username"):
+        for key in ("certfile", "keyfile", "cafile", "crlfile", "require_certificate",
+                    "use_identity_as_username"):
             if getattr(lst, key):
                 fail(key, "only used with tls = true (is tls missing?)")
         return
     if not lst.certfile:
         fail("certfile", "required when tls = true")
-    for key in ("certfile", "keyfile", "cafile"):
+    for key in ("certfile", "keyfile", "cafile", "crlfile"):
         value = getattr(lst, key)
         if value and not os.path.isfile(value):
             fail(key, f"file not found: {value}")
@@ -283,6 +294,8 @@ def _validate_listener(src, i, lst):
         fail("cafile", "required when require_certificate = true (the CA of the client certificates)")
     if lst.use_identity_as_username and not lst.require_certificate:
         fail("use_identity_as_username", "needs require_certificate = true")
+    if lst.crlfile and not lst.cafile:
+        fail("crlfile", "needs cafile (the CA whose revocations it lists)")
 
 
 def validate(cfg):

@@ -14,6 +14,7 @@ and must be plain functions.
 """
 
 import inspect
+import logging
 
 
 class ClientInfo:
@@ -173,5 +174,11 @@ class HookChain:
             f(client_id)
 
     def reload(self):
+        """Every hook's on_reload (SIGHUP). One that raises keeps its previous state (as
+        the contract says) and is logged; it does not stop the others (TLS certificates,
+        other files) from reloading."""
         for f in self._on_reload:
-            f()
+            try:
+                f()
+            except Exception:
+                logging.getLogger("wrenmq.hooks").exception("reload failed in %s", f.__qualname__)

@@ -33,6 +33,7 @@ import socket
 import ssl
 import stat
 import urllib.parse
+import weakref
 
 from ..mqtt import constants as C
 from .connection import Connection
@@ -92,6 +93,12 @@ def build_ssl_context(cfg, where="listener"):
         except (OSError, ValueError) as e:
             raise ListenerError(f"{where}.cafile: cannot load {cfg.cafile}: {_ssl_message(e)}") from None
         ctx.verify_mode = ssl.CERT_REQUIRED if cfg.require_certificate else ssl.CERT_OPTIONAL
+        if cfg.crlfile:
+            try:
+                ctx.load_verify_locations(cafile=cfg.crlfile)
+            except (OSError, ValueError) as e:
+                raise ListenerError(f"{where}.crlfile: cannot load {cfg.crlfile}: {_ssl_message(e)}") from None
+            ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
     return ctx
 
 
@@ -610,6 +617,7 @@ class Listener:
         self.address = None  # (host, port); (path, None) for unix sockets
         self.ssl_context = None
         self._unix_id = None
+        self._ws_opening = weakref.WeakSet()  # websockets connections, for close()
 
     @property
     def label(self):
@@ -678,17 +686,27 @@ class Listener:
         path = cfg.path or DEFAULT_WS_PATH
 
         def create_connection(*args, **kwargs):
-            return self._front(ServerConnection(*args, **kwargs))
+            conn = ServerConnection(*args, **kwargs)
+            self._ws_opening.add(conn)
+            return self._front(conn)
+
+        origins = frozenset(o.rstrip("/") for o in cfg.origins)
 
         def process_request(connection, request):
             if urllib.parse.urlsplit(request.path).path != path:
                 log.info("WebSocket listener %s: %s asked for %s, not %s: 404", self.label,
                          _peer(connection.transport), request.path[:200], path)
                 return connection.respond(http.HTTPStatus.NOT_FOUND, "Not Found\n")
+            if origins:
+                origin = request.headers.get("Origin")
+                if origin is not None and origin not in origins:
+                    log.info("WebSocket listener %s: %s came from origin %s, not an allowed one: 403",
+                             self.label, _peer(connection.transport), origin[:200])
+                    return connection.respond(http.HTTPStatus.FORBIDDEN, "Forbidden origin\n")
             return None
 
         def process_response(connection, request, response):
-            if response.status_code != 101 and response.status_code != 404:
+            if response.status_code not in (101, 403, 404):
                 exc = connection.protocol.handshake_exc
                 log.info("WebSocket listener %s: handshake with %s refused (%d): %s", self.label,
                          _peer(connection.transport), response.status_code, exc or response.reason_phrase)
@@ -751,6 +769,13 @@ class Listener:
             return
         if self.cfg.type == "ws":
             server.close(close_connections=False)  # the broker closes its connections itself
+            # ... but not those still in their HTTP handshake: do not wait open_timeout for them.
+            from websockets.protocol import State
+            for conn in list(self._ws_opening):
+                t = getattr(conn, "transport", None)
+                if conn.protocol.state is State.CONNECTING and t is not None:
+                    t.abort()
+            self._ws_opening.clear()
         else:
             server.close()
         if self._unix_id is not None:

@@ -399,9 +399,6 @@ def test_acl_reload_with_sighup_on_serve(serve_broker, files):
     alice.loop_stop()
 
 
-@pytest.mark.xfail(strict=True, reason="router: Router.catch_up queues messages read back from the "
-                   "commit log without asking authorize_deliver (see the auth report); remove this "
-                   "marker once it does")
 def test_catch_up_from_log_checks_read_access(make_broker, files, tmp_path):
     """A stored session whose queue overflowed reads the rest from the commit log: those
     messages must pass the same READ check as live ones."""

@@ -429,6 +429,8 @@ class Connection(asyncio.Protocol):
             return
         if result is None:
             allow = self.broker.config.auth.allow_anonymous
+            if allow is None:  # not set: anonymous only where only this machine can connect
+                allow = self.listener.loopback_only
             if not allow:
                 result = C.BAD_USER_NAME_OR_PASSWORD if pkt.username is not None else C.NOT_AUTHORIZED
         if result is False:

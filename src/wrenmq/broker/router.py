@@ -39,7 +39,7 @@ class Stats:
 
     __slots__ = ("started", "msgs_received", "msgs_sent", "bytes_received", "bytes_sent",
                  "pub_received", "pub_sent", "pub_dropped", "connects", "clients_maximum",
-                 "denied_publish", "denied_subscribe", "expired", "rate_limited",
+                 "denied_publish", "denied_subscribe", "denied_deliver", "expired", "rate_limited",
                  "refused_connections")
 
     def __init__(self):
@@ -59,8 +59,12 @@ class SharedGroup:
         self.members = []  # Subscription, in join order
         self.next = 0
 
-    def pick(self, exclude=None):
-        """Round robin over online members; an offline member only if nobody is online."""
+    def pick(self, exclude=None, allowed=None):
+        """Round robin over online members; an offline member only if nobody is online.
+
+        `allowed(session)` (the authorize_deliver check for this message) skips members
+        that may not read it, so one member's ACL never loses a message for the group.
+        """
         members = self.members
         n = len(members)
         if not n:
@@ -70,6 +74,8 @@ class SharedGroup:
         for i in range(n):
             sub = members[(start + i) % n]
             if sub.session is exclude:
+                continue
+            if allowed is not None and not allowed(sub.session):
                 continue
             if sub.session.conn is not None:
                 self.next = (start + i + 1) % n
@@ -766,8 +772,10 @@ class Router:
             if logged and session.resume_from is not None:
                 continue  # it reads this message from the log when it catches up
             deliver(session, msg, mqos if mqos < qos else qos, msg.retain and rap, ids)
+        authorize = self.hooks.authorize_deliver
         for group in groups:
-            sub = group.pick()
+            sub = group.pick(None, None if authorize is None else
+                             (lambda s: authorize(s, msg) is not False))
             if sub is not None:
                 deliver(sub.session, msg, mqos if mqos < sub.qos else sub.qos,
                         msg.retain and sub.retain_as_published,
@@ -864,12 +872,18 @@ class Router:
         if not queue and session.resume_from is not None and conn is not None:
             self.catch_up(session)
         max_bytes = self.max_inflight_bytes
+        authorize = self.hooks.authorize_deliver
         while queue and conn is not None and not conn.congested:
             out = queue[0]
             msg = out.msg
             if msg.expiry is not None and now >= msg.expiry:
                 self._queue_pop(session)
                 self.stats.expired += 1
+                continue
+            if authorize is not None and authorize(session, msg) is False:
+                # Queued (or read back from the log) before a permission change.
+                self._queue_pop(session)
+                self.stats.denied_deliver += 1
                 continue
             if not out.qos:
                 self._queue_pop(session)

@@ -89,9 +89,10 @@ class Segment:
                 out.append(None)
         return out
 
-    def load_index(self, log_size):
-        """Read the index files; return False if missing or inconsistent with the log."""
-        raw, traw = self.read_index()
+    def load_index(self, log_size, files=None):
+        """Read the index files (or take `files`, as from read_index); return False if
+        missing or inconsistent with the log."""
+        raw, traw = files if files is not None else self.read_index()
         if not raw or traw is None or len(raw) % _INDEX_ENTRY.size or len(traw) % _TIME_ENTRY.size:
             return False
         if len(traw) // _TIME_ENTRY.size != len(raw) // _INDEX_ENTRY.size:
@@ -430,7 +431,11 @@ class LogReader:
         if seg.scanned < 0 or size < seg.scanned or size < seg.size:
             # First look, or the file shrank (a recovering writer truncated it): start over.
             seg.forget()
-            seg.index_ok = seg.load_index(size)
+            files = seg.read_index()
+            # The log's size after the index was read: a writer appends a batch before its
+            # index entry, so no entry can then point past it.
+            size = max(size, os.path.getsize(seg.log_path))
+            seg.index_ok = seg.load_index(size, files)
         fd = self._open(seg)
         try:
             if seg.scanned < 0 and seg.index_ok:

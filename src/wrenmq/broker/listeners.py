@@ -260,8 +260,9 @@ class _TLSAcceptor(_Wrapper):
             return
         self.phase = _HANDSHAKE
         if early:
-            # start_tls() sets its SSL protocol on the transport now and calls its
-            # connection_made() in a callback scheduled after this one.
+            # start_tls() sets its SSL protocol on the transport right away and calls its
+            # connection_made() (which starts the handshake) in a callback it schedules
+            # after this one: _feed puts the bytes into its incoming buffer first.
             loop.call_soon(self._feed, early)
         try:
             tls = await loop.start_tls(raw, self, lst.ssl_context, server_side=True,

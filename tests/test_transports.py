@@ -820,11 +820,11 @@ def test_mqttjs_over_websocket_and_tcp(make_broker, pki, version):
     assert node_roundtrip(wss, ws, version, pki.ca_file)["ok"]
 
 
-def test_stop_is_quick_with_silent_connections_on_every_listener(pki, tmp_path):
+def test_stop_is_quick_with_silent_connections_on_every_listener(pki, unix_path):
     """Connections that never finish their TLS, WebSocket or MQTT handshake do not hold
     up a shutdown."""
     ports = [free_port() for _ in range(3)]
-    path = unix_path(tmp_path)
+    path = unix_path
     b = RunningBroker(tls_listener(pki, ports[0]) + ws_listener(ports[1]) + ws_listener(ports[2], pki)
                       + f'[[listener]]\ntype = "unix"\npath = "{path}"\n')
     socks = [socket.create_connection(("127.0.0.1", p)) for p in [b.port, *ports]]
@@ -850,15 +850,18 @@ def test_stop_is_quick_with_silent_connections_on_every_listener(pki, tmp_path):
 # --- Unix domain socket --------------------------------------------------------------------
 
 
-def unix_path(tmp_path):
-    # Socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
+@pytest.fixture
+def unix_path():
+    """A socket path in a fresh directory under /tmp (socket paths are limited to ~107
+    bytes; pytest's tmp_path can be longer), removed afterwards."""
     short = Path("/tmp") / f"wrenmq-test-{uuid.uuid4().hex[:8]}"
     short.mkdir()
-    return short / "mqtt.sock"
+    yield short / "mqtt.sock"
+    shutil.rmtree(short, ignore_errors=True)
 
 
-def test_unix_socket_listener(make_broker, pahos, tmp_path):
-    path = unix_path(tmp_path)
+def test_unix_socket_listener(make_broker, pahos, unix_path):
+    path = unix_path
     b = make_broker(f'[[listener]]\ntype = "unix"\npath = "{path}"\nmode = "0660"\n')
     assert stat.S_ISSOCK(path.stat().st_mode)
     assert stat.S_IMODE(path.stat().st_mode) == 0o660
@@ -890,8 +893,8 @@ def test_unix_socket_listener(make_broker, pahos, tmp_path):
     assert not path.exists()  # removed on stop
 
 
-def test_unix_socket_stale_file_and_in_use(make_broker, tmp_path):
-    path = unix_path(tmp_path)
+def test_unix_socket_stale_file_and_in_use(make_broker, unix_path):
+    path = unix_path
     # A socket file left behind by a crashed broker is replaced.
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(path))

@@ -5,6 +5,7 @@
 #   make test  [PYTEST_ARGS="-k foo -x"]   install test deps, run the suite
 #   make bench [ARGS="--repeat 5"]         full benchmark vs Mosquitto
 #   make bench-quick [ARGS="--only mosquitto"]
+#   make demo  [ARGS="--devices 50"]       broker + simulated fleet + Spark jobs, for a minute
 #   make clean                             remove .venv, .bench and build caches (not data)
 
 SHELL := /bin/bash
@@ -23,7 +24,8 @@ PYTEST_ARGS ?=
 # java:openjdk-17-jre-headless here as the suite grows.
 TEST_DEBIAN_PKGS := \
 	mosquitto_sub:mosquitto-clients \
-	mosquitto:mosquitto
+	mosquitto:mosquitto \
+	java:openjdk-17-jre-headless
 
 # npm packages the tests need, installed into $(NPM_PREFIX); their binaries are
 # put on PATH for pytest (mqtt = MQTT.js, for the WebSocket/TCP interop tests).
@@ -36,7 +38,7 @@ BENCH_DEBIAN_PKGS := \
 
 ENSURE_DEB := bash scripts/ensure-debian-packages.sh
 
-.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-deps clean
+.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-deps demo clean
 
 help:
 	@sed -n '4,9p' Makefile | sed 's/^# \{0,1\}//'
@@ -90,6 +92,16 @@ bench: bench-deps
 
 bench-quick: bench-deps
 	$(PY) -m wrenmq.bench --quick $(ARGS)
+
+# --- demo --------------------------------------------------------------------
+
+$(VENV)/.stamp-pipeline: pyproject.toml | $(PY)
+	$(PIP) install -e '.[pipeline]'
+	touch $@ $(VENV)/.stamp-install
+
+demo: $(VENV)/.stamp-pipeline
+	@$(ENSURE_DEB) java:openjdk-17-jre-headless
+	$(VENV)/bin/wrenmq demo $(ARGS)
 
 # --- clean -------------------------------------------------------------------
 

@@ -136,6 +136,10 @@ def build_parser():
     from .auth.commands import add_passwd_parser, add_reload_parser
     add_passwd_parser(sub)
     add_reload_parser(sub)
+
+    from .pipeline.cli import add_parsers as add_pipeline_parsers  # argparse only; Spark loads lazily
+    add_pipeline_parsers(sub)
+
     from .store.cli import add_parser as add_log_parser
     add_log_parser(sub)
     return p

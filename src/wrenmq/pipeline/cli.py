@@ -1,0 +1,143 @@
+"""`wrenmq pipeline JOB ...` and `wrenmq demo`: argument parsing only, Spark imported lazily
+(so `wrenmq serve` never loads pyspark)."""
+
+import argparse
+import logging
+import sys
+
+JOBS = ("archive", "topic-stats", "device-state", "usage", "replay")
+
+
+def _conf(values):
+    out = {}
+    for v in values or ():
+        k, sep, val = v.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--conf wants KEY=VALUE, got {v!r}")
+        out[k.strip()] = val
+    return out
+
+
+def add_parsers(sub):
+    p = sub.add_parser(
+        "pipeline", help="run a Spark pipeline job over the commit log",
+        description="Run a Spark job over the broker's commit log (see docs/PIPELINE.md).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="jobs:\n"
+               "  archive       the log as a Parquet lake partitioned by date and topic prefix\n"
+               "  topic-stats   per topic and window: messages, bytes, publishers, JSON field stats\n"
+               "  device-state  latest message per topic, JSON payloads flattened to columns\n"
+               "  usage         messages and bytes per client id per hour\n"
+               "  replay        re-publish a range of the log to a broker (no Spark needed)\n")
+    p.add_argument("job", choices=JOBS, metavar="JOB", help=" | ".join(JOBS))
+    p.add_argument("--data-dir", metavar="DIR", default="./data", help="the broker's data dir (default ./data)")
+    p.add_argument("--output", metavar="DIR", help="where the job writes (default ./lake/JOB)")
+    p.add_argument("--checkpoint", metavar="DIR", help="checkpoint dir (default OUTPUT/_wrenmq/checkpoint)")
+    p.add_argument("--master", metavar="URL", help="Spark master (default local[*])")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--once", dest="once", action="store_true", default=True,
+                      help="process what the log holds now, then stop (default)")
+    mode.add_argument("--continuous", dest="once", action="store_false",
+                      help="keep running, one micro-batch per --trigger interval")
+    p.add_argument("--trigger", metavar="INTERVAL", default="5 seconds",
+                   help="micro-batch interval with --continuous (default '5 seconds')")
+    p.add_argument("--duration", metavar="SECONDS", type=float,
+                   help="with --continuous: stop after this many seconds")
+    p.add_argument("--topics", metavar="FILTERS", help="MQTT topic filters, comma separated")
+    p.add_argument("--starting-offsets", metavar="SPEC", help="earliest | latest | JSON {\"node\": offset}")
+    p.add_argument("--starting-timestamp", metavar="TIME", help="ms since the epoch or ISO 8601")
+    p.add_argument("--max-records-per-trigger", metavar="N", type=int)
+    p.add_argument("--max-records-per-partition", metavar="N", type=int)
+    p.add_argument("--no-fail-on-data-loss", dest="fail_on_data_loss", action="store_false",
+                   help="go on when records were deleted by retention before being read")
+    p.add_argument("--conf", metavar="KEY=VALUE", action="append", help="extra Spark setting (repeatable)")
+    p.add_argument("--ui", action="store_true", help="enable the Spark UI")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    g = p.add_argument_group("archive")
+    g.add_argument("--topic-levels", metavar="N", type=int, default=1,
+                   help="topic levels in the partition directory (default 1)")
+    g = p.add_argument_group("topic-stats and usage")
+    g.add_argument("--window", metavar="DURATION", help="window length (default '1 minute'; usage '1 hour')")
+    g.add_argument("--watermark", metavar="DURATION",
+                   help="lateness allowed (default '30 seconds'; usage '10 minutes')")
+    g.add_argument("--field", metavar="NAME", action="append",
+                   help="numeric JSON field for min/mean/max (repeatable, dotted paths; default 'value')")
+    g.add_argument("--publish", action="store_true", help="topic-stats: publish results retained to --broker")
+    g.add_argument("--publish-prefix", metavar="TOPIC", default="$analytics/topic-stats",
+                   help="topic prefix of published stats (default $analytics/topic-stats)")
+    g = p.add_argument_group("device-state")
+    g.add_argument("--no-flatten", dest="flatten", action="store_false", help="keep payloads as bytes only")
+    g = p.add_argument_group("replay")
+    g.add_argument("--broker", metavar="HOST:PORT", default="127.0.0.1:1883",
+                   help="broker to publish to (replay, topic-stats --publish)")
+    g.add_argument("--from-offset", metavar="N|JSON")
+    g.add_argument("--to-offset", metavar="N|JSON", help="exclusive")
+    g.add_argument("--from-time", metavar="TIME")
+    g.add_argument("--to-time", metavar="TIME", help="exclusive")
+    g.add_argument("--prefix", metavar="PREFIX", default="", help="prepend to every topic, e.g. 'replay/'")
+    g.add_argument("--strip-prefix", metavar="PREFIX", default="", help="remove from topics first")
+    g.add_argument("--rate", metavar="MSG/S", type=float, default=0.0, help="0 = unlimited (default)")
+    g.add_argument("--qos", type=int, choices=(0, 1, 2), help="override the original QoS")
+    g.add_argument("--keep-retain", action="store_true", help="keep the original retain flags")
+    p.set_defaults(func=run_pipeline)
+
+    d = sub.add_parser("demo", help="broker + simulated fleet + archive and topic-stats, for a minute")
+    d.add_argument("--devices", type=int, default=200)
+    d.add_argument("--seconds", type=float, default=60.0)
+    d.add_argument("--interval", type=float, default=1.0, help="seconds between a device's messages")
+    d.add_argument("--dir", metavar="DIR", help="work dir (default: a temporary one, removed after)")
+    d.add_argument("--port", type=int, default=0, help="broker port (default: a free one)")
+    d.add_argument("--master", metavar="URL")
+    d.set_defaults(func=run_demo)
+
+
+def run_pipeline(args):
+    logging.getLogger("wrenmq").setLevel(logging.WARNING)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.job == "replay":
+        return _replay(args)
+    from .jobs import JobOptions, run
+
+    fields = []
+    for f in args.field or ["value"]:
+        fields += [x.strip() for x in f.split(",") if x.strip()]
+    o = JobOptions(data_dir=args.data_dir, output=args.output, checkpoint=args.checkpoint,
+                   master=args.master, once=args.once, trigger=args.trigger, topics=args.topics,
+                   starting_offsets=args.starting_offsets, starting_timestamp=args.starting_timestamp,
+                   max_records_per_trigger=args.max_records_per_trigger,
+                   max_records_per_partition=args.max_records_per_partition,
+                   fail_on_data_loss=args.fail_on_data_loss, spark_conf=_conf(args.conf), ui=args.ui,
+                   quiet=args.quiet, topic_levels=args.topic_levels, window=args.window,
+                   watermark=args.watermark, fields=fields, publish=args.publish, broker=args.broker,
+                   publish_prefix=args.publish_prefix, flatten=args.flatten, duration=args.duration)
+    try:
+        return run(args.job, o)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a failed query: one readable line, not a JVM stack trace
+        msg = str(e).strip().splitlines()
+        print(f"wrenmq pipeline {args.job}: failed: {msg[0] if msg else type(e).__name__}", file=sys.stderr)
+        if logging.getLogger("wrenmq").isEnabledFor(logging.DEBUG):
+            raise
+        return 1
+
+
+def _replay(args):
+    from .replay import ReplayOptions, replay
+
+    o = ReplayOptions(data_dir=args.data_dir, broker=args.broker, topics=args.topics,
+                      from_offset=args.from_offset, to_offset=args.to_offset, from_time=args.from_time,
+                      to_time=args.to_time, prefix=args.prefix, strip_prefix=args.strip_prefix,
+                      rate=args.rate, qos=args.qos, keep_retain=args.keep_retain, quiet=args.quiet)
+    r = replay(o)
+    if not args.quiet:
+        print(f"replayed {r['messages']} messages in {r['seconds']:.1f} s ({r['rate']:,.0f} msg/s)")
+    return 0
+
+
+def run_demo(args):
+    from .demo import demo
+
+    return demo(devices=args.devices, seconds=args.seconds, interval=args.interval, workdir=args.dir,
+                port=args.port, master=args.master)

@@ -1,0 +1,202 @@
+"""Options, offsets and log discovery shared by the source, the jobs and replay (no pyspark)."""
+
+import datetime as _dt
+import json
+import logging
+import os
+
+log = logging.getLogger("wrenmq.pipeline")
+
+DEFAULT_MAX_RECORDS_PER_PARTITION = 1_000_000
+
+
+def log_root(path):
+    """The directory whose subdirectories are the log partitions."""
+    path = os.path.abspath(os.path.expanduser(str(path)))
+    sub = os.path.join(path, "log")
+    if os.path.isdir(sub) or not _looks_like_log_root(path):
+        return sub
+    return path
+
+
+def _looks_like_log_root(path):
+    try:
+        for name in os.listdir(path):
+            d = os.path.join(path, name)
+            if os.path.isdir(d) and any(f.endswith(".log") for f in os.listdir(d)):
+                return True
+    except OSError:
+        pass
+    return False
+
+
+def list_partitions(root):
+    """{node: partition directory} of the log partitions under `root`, sorted by node."""
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return {}
+    return {n: os.path.join(root, n) for n in names
+            if not n.startswith(".") and os.path.isdir(os.path.join(root, n))}
+
+
+def sorted_offsets(d):
+    """Offsets as Spark wants them: a dict whose keys are in sorted order (it compares JSON)."""
+    return {k: int(d[k]) for k in sorted(d)}
+
+
+def parse_time_us(value):
+    """Milliseconds since the epoch (int or digits) or an ISO 8601 string -> microseconds."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, (int, float)):
+        return int(value * 1000)
+    s = str(value).strip()
+    try:
+        return int(float(s) * 1000)
+    except ValueError:
+        pass
+    t = _dt.datetime.fromisoformat(s.replace("Z", "+00:00"))
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=_dt.timezone.utc)
+    return int(t.timestamp() * 1_000_000)
+
+
+def _parse_bool(v, default):
+    if v is None:
+        return default
+    return str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _parse_int(v, name):
+    if v is None or str(v).strip() == "":
+        return None
+    try:
+        n = int(str(v).strip())
+    except ValueError:
+        raise ValueError(f"wrenmq source: option {name} must be an integer, got {v!r}") from None
+    if n <= 0:
+        raise ValueError(f"wrenmq source: option {name} must be > 0, got {n}")
+    return n
+
+
+def parse_topics(v):
+    if v is None:
+        return None
+    s = str(v).strip()
+    if not s:
+        return None
+    if s.startswith("["):
+        topics = [str(t) for t in json.loads(s)]
+    else:
+        topics = [t.strip() for t in s.split(",") if t.strip()]
+    return topics or None
+
+
+def _parse_offsets_spec(v, name):
+    """'earliest' | 'latest' | {node: int} -> str or dict."""
+    if v is None:
+        return None
+    if isinstance(v, dict):
+        return {str(k): int(x) for k, x in v.items()}
+    s = str(v).strip()
+    if s.lower() in ("earliest", "latest"):
+        return s.lower()
+    try:
+        d = json.loads(s)
+    except ValueError:
+        raise ValueError(f"wrenmq source: {name} must be earliest, latest or a JSON object "
+                         f"{{\"node\": offset}}, got {s!r}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"wrenmq source: {name} must be a JSON object {{\"node\": offset}}")
+    return {str(k): int(x) for k, x in d.items()}
+
+
+class Options:
+    """The parsed options; small and picklable (shipped to the workers)."""
+
+    def __init__(self, options):
+        o = {str(k).lower(): v for k, v in dict(options).items()}
+        path = o.get("path")
+        if not path:
+            raise ValueError("wrenmq source: give the broker's data dir: .load(DIR) or option path")
+        self.path = str(path)
+        self.root = log_root(path)
+        self.topics = parse_topics(o.get("topics"))
+        self.starting = _parse_offsets_spec(o.get("startingoffsets"), "startingOffsets") or "earliest"
+        self.starting_ts = parse_time_us(o.get("startingtimestamp"))
+        self.ending = _parse_offsets_spec(o.get("endingoffsets"), "endingOffsets") or "latest"
+        self.ending_ts = parse_time_us(o.get("endingtimestamp"))
+        self.max_per_trigger = _parse_int(o.get("maxrecordspertrigger"), "maxRecordsPerTrigger")
+        self.max_per_partition = (_parse_int(o.get("maxrecordsperpartition"), "maxRecordsPerPartition")
+                                  or DEFAULT_MAX_RECORDS_PER_PARTITION)
+        self.fail_on_data_loss = _parse_bool(o.get("failondataloss"), True)
+
+
+def resolve(spec, node, reader, default):
+    """One partition's offset for an offsets spec ('earliest', 'latest' or a dict)."""
+    if isinstance(spec, dict):
+        v = spec.get(node)
+        if v is None:
+            spec = default
+        elif v == -2:
+            return reader.start_offset
+        elif v == -1:
+            return reader.end_offset
+        else:
+            return v
+    return reader.start_offset if spec == "earliest" else reader.end_offset
+
+
+class Readers:
+    """Open LogReaders of the partitions on disk (driver only; dropped when pickled)."""
+
+    def __init__(self, root):
+        self.root = root
+        self.readers = {}
+
+    def refresh(self):
+        from wrenmq.store.log import LogReader
+
+        dirs = list_partitions(self.root)
+        for node in list(self.readers):
+            if node not in dirs:
+                self.readers.pop(node).close()
+        for node, d in dirs.items():
+            r = self.readers.get(node)
+            if r is None:
+                self.readers[node] = LogReader(d)
+            else:
+                r.refresh()
+        return self.readers
+
+    def close(self):
+        for r in self.readers.values():
+            r.close()
+        self.readers.clear()
+
+
+def starting_offsets(opts, readers):
+    out = {}
+    for node, r in readers.items():
+        if opts.starting_ts is not None:
+            out[node] = r.offset_for_time(opts.starting_ts)
+        else:
+            out[node] = resolve(opts.starting, node, r, "earliest")
+    return sorted_offsets(out)
+
+
+def check_loss(node, start, reader, fail):
+    """Clamp `start` to the log start; a gap there is data loss unless start was 0."""
+    if start >= reader.start_offset:
+        return start
+    if start > 0 and fail:
+        raise RuntimeError(f"wrenmq source: offsets {start}-{reader.start_offset - 1} of partition "
+                           f"{node!r} were deleted by retention before they were read "
+                           "(set failOnDataLoss=false to go on)")
+    if start > 0:
+        log.warning("wrenmq source: offsets %d-%d of partition %r were deleted by retention; skipping",
+                    start, reader.start_offset - 1, node)
+    return reader.start_offset
+
+

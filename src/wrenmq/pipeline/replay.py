@@ -1,0 +1,186 @@
+"""`wrenmq pipeline replay`: re-publish a range of the log to a broker.
+
+The range is given by offsets (one number for every partition, or JSON per node) and/or
+times, filtered by MQTT topic filters; topics can be re-homed under a new prefix. Messages of
+several nodes' logs are merged in timestamp order. Every re-published message keeps its
+payload, QoS and MQTT 5 properties and gets two user properties:
+
+    wrenmq-replay-of           <node>:<offset> of the original record
+    wrenmq-original-timestamp  its log timestamp (microseconds since the epoch)
+
+(`device-state` uses the latter, so a replay never makes old values look new.) The retain flag
+is dropped unless `keep_retain`. The publisher is a paho MQTT 5 client with a bounded window of
+unacknowledged messages, a rate limit (messages/s, 0 = as fast as the broker takes them) and
+a rich progress bar. This job needs no Spark: it is a sequential copy from the log's files.
+"""
+
+import heapq
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from ..store.log import LogReader
+from ..store.store import parse_properties_block
+from .jobs import ORIGINAL_TIMESTAMP, REPLAY_OF
+from .common import list_partitions, log_root, parse_time_us, parse_topics
+
+
+@dataclass
+class ReplayOptions:
+    data_dir: str = "./data"
+    broker: str = "127.0.0.1:1883"
+    topics: str = None
+    from_offset: str = None   # int (every partition) or JSON {"node": offset}
+    to_offset: str = None     # exclusive
+    from_time: str = None     # ms since the epoch or ISO 8601
+    to_time: str = None       # exclusive
+    prefix: str = ""          # prepended to every topic (e.g. "replay/")
+    strip_prefix: str = ""    # removed from the start of topics first
+    rate: float = 0.0         # messages per second, 0 = unlimited
+    qos: int = None           # None: the original QoS
+    keep_retain: bool = False
+    window: int = 1000        # unacknowledged QoS > 0 messages in flight
+    client_id: str = None
+    quiet: bool = False
+    username: str = None
+    password: str = None
+
+
+def _per_node(spec, node):
+    if spec is None or spec == "":
+        return None
+    if isinstance(spec, int):
+        return spec
+    s = str(spec).strip()
+    if s.startswith("{"):
+        v = json.loads(s).get(node)
+        return None if v is None else int(v)
+    return int(s)
+
+
+def plan(o):
+    """[(node, reader, start, end)] for the requested range (readers left open)."""
+    out = []
+    from_ts = parse_time_us(o.from_time)
+    to_ts = parse_time_us(o.to_time)
+    for node, d in list_partitions(log_root(o.data_dir)).items():
+        r = LogReader(d)
+        start, end = r.start_offset, r.end_offset
+        f = _per_node(o.from_offset, node)
+        if f is not None:
+            start = max(start, f)
+        t = _per_node(o.to_offset, node)
+        if t is not None:
+            end = min(end, t)
+        if from_ts is not None:
+            start = max(start, r.offset_for_time(from_ts))
+        if to_ts is not None:
+            end = min(end, r.offset_for_time(to_ts))
+        if end > start:
+            out.append((node, r, start, end))
+        else:
+            r.close()
+    return out
+
+
+def _properties(rec, node, qos_props):
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    p = Properties(PacketTypes.PUBLISH)
+    props = parse_properties_block(rec.properties) if rec.properties else {}
+    if "payload_format_indicator" in props:
+        p.PayloadFormatIndicator = props["payload_format_indicator"]
+    if "message_expiry_interval" in props:
+        p.MessageExpiryInterval = props["message_expiry_interval"]
+    if "content_type" in props:
+        p.ContentType = props["content_type"]
+    if "response_topic" in props:
+        p.ResponseTopic = props["response_topic"]
+    if "correlation_data" in props:
+        p.CorrelationData = props["correlation_data"]
+    ups = list(props.get("user_property", ()))
+    ups = [(k, v) for k, v in ups if k not in (REPLAY_OF, ORIGINAL_TIMESTAMP)]
+    ups += [(REPLAY_OF, f"{node}:{rec.offset}"), (ORIGINAL_TIMESTAMP, str(rec.timestamp))]
+    p.UserProperty = ups
+    return p
+
+
+def _records(node, reader, start, end, topics):
+    for r in reader.records(start, end, topics):
+        yield (r.timestamp, node, r.offset, r)
+
+
+def replay(o, console=None):
+    """Run the replay; return a summary dict (messages, seconds, per node last offsets)."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    topics = parse_topics(o.topics)
+    parts = plan(o)
+    total = sum(e - s for _, _, s, e in parts)
+    host, _, port = o.broker.rpartition(":")
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5,
+                    client_id=o.client_id or f"wrenmq-replay-{uuid.uuid4().hex[:8]}")
+    if o.username is not None:
+        c.username_pw_set(o.username, o.password)
+    c.max_inflight_messages_set(max(1, min(o.window, 65535)))
+    c.max_queued_messages_set(0)
+    c.connect(host or "127.0.0.1", int(port or 1883))
+    c.loop_start()
+    sent = 0
+    done = {n: s for n, _, s, _ in parts}
+    pending = []
+    t0 = time.monotonic()
+    bar = task = None
+    if not o.quiet:
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+        bar = Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("records"), TimeElapsedColumn(), TimeRemainingColumn(),
+                       console=console or Console(stderr=True))
+        bar.start()
+        task = bar.add_task("replay", total=total)
+    try:
+        streams = [_records(n, r, s, e, topics) for n, r, s, e in parts]
+        starts = {n: s for n, _, s, _ in parts}
+        last_update = 0.0
+        for ts, node, off, rec in heapq.merge(*streams, key=lambda x: (x[0], x[1], x[2])):
+            topic = rec.topic
+            if o.strip_prefix and topic.startswith(o.strip_prefix):
+                topic = topic[len(o.strip_prefix):]
+            topic = (o.prefix or "") + topic
+            qos = rec.qos if o.qos is None else o.qos
+            if o.rate:
+                ahead = t0 + sent / o.rate - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+            info = c.publish(topic, rec.payload, qos=qos, retain=bool(rec.retain and o.keep_retain),
+                             properties=_properties(rec, node, qos))
+            if qos:
+                pending.append(info)
+                if len(pending) >= o.window:
+                    pending.pop(0).wait_for_publish(60)
+            sent += 1
+            done[node] = off + 1
+            if bar is not None:
+                now = time.monotonic()
+                if now - last_update > 0.2:
+                    bar.update(task, completed=sum(done[n] - starts[n] for n in done))
+                    last_update = now
+        for info in pending:
+            info.wait_for_publish(60)
+        if bar is not None:
+            bar.update(task, completed=total)
+    finally:
+        if bar is not None:
+            bar.stop()
+        c.disconnect()
+        c.loop_stop()
+        for _, r, _, _ in parts:
+            r.close()
+    secs = time.monotonic() - t0
+    return {"messages": sent, "seconds": secs, "rate": sent / secs if secs else 0.0,
+            "offsets": {n: done[n] for n in sorted(done)}}

@@ -1,0 +1,91 @@
+"""Helpers for the pipeline tests: logs written with the real store code, readers of the lake."""
+
+import json
+import os
+import time
+
+from wrenmq.mqtt.codec import encode_properties
+from wrenmq.store.format import encode_batch
+from wrenmq.store.log import CommitLog
+
+T0 = 1_700_000_000_000_000  # 2023-11-14T22:13:20Z, in microseconds
+
+
+def props_block(props):
+    """MQTT 5 properties as the log stores them (no length prefix)."""
+    enc = encode_properties(props)
+    i = 0
+    while enc[i] & 0x80:
+        i += 1
+    return enc[i + 1:]
+
+
+def write_log(data_dir, node, records, per_batch=100, segment_bytes=64 << 20):
+    """Append records to <data_dir>/log/<node> with the store's CommitLog.
+
+    `records`: iterable of dicts with topic, payload and optional ts (µs), client_id, qos,
+    retain, props (bytes). Returns the offsets [first, end).
+    """
+    log = CommitLog(os.path.join(data_dir, "log", node), segment_bytes=segment_bytes)
+    first = base = log.end_offset
+    batch = []
+
+    def flush():
+        nonlocal base
+        if not batch:
+            return
+        ts = [r.get("ts", T0) for r in batch]
+        data = encode_batch(base, ts, [r.get("qos", 0) | (4 if r.get("retain") else 0) for r in batch],
+                            [r["topic"].encode() for r in batch],
+                            [r.get("client_id", "c").encode() for r in batch],
+                            [r.get("props", b"") for r in batch],
+                            [r["payload"] if isinstance(r["payload"], bytes) else r["payload"].encode()
+                             for r in batch])
+        log.append(data, base, len(batch), ts[0], max(ts))
+        base += len(batch)
+        batch.clear()
+
+    for r in records:
+        batch.append(r)
+        if len(batch) >= per_batch:
+            flush()
+    flush()
+    log.sync()
+    log.close()
+    return first, base
+
+
+def telemetry(n, start=0, t0=T0, step_us=1000, devices=10, sites=("a", "b")):
+    """n JSON telemetry records: topic <site>/dev<k>/t, one client per device."""
+    out = []
+    for i in range(start, start + n):
+        k = i % devices
+        site = sites[k % len(sites)]
+        out.append({"topic": f"{site}/dev{k}/t", "client_id": f"dev{k}", "ts": t0 + i * step_us,
+                    "payload": json.dumps({"value": i % 7, "seq": i}), "qos": 1})
+    return out
+
+
+def lake_offsets(path, columns=("node", "offset")):
+    """(node, offset) pairs of a Parquet folder as pyarrow.dataset sees it."""
+    import pyarrow.dataset as ds
+
+    t = ds.dataset(path, format="parquet", partitioning="hive").to_table(columns=list(columns))
+    return list(zip(*(t.column(c).to_pylist() for c in columns)))
+
+
+def wait_for(pred, timeout=30.0, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        r = pred()
+        if r or time.monotonic() >= deadline:
+            return r
+        time.sleep(interval)
+
+
+def subscribe(client, topic, qos=1, timeout=5.0):
+    """Subscribe a `clients` fixture client and wait for the SUBACK."""
+    client.subscribe(topic, qos)
+    kind, _mid, rcs, _props = client.acks.get(timeout=timeout)
+    assert kind == "suback"
+    return rcs

@@ -362,3 +362,46 @@ def test_broker_starts_on_a_torn_tail_and_reports_it(tmp_path, serve_broker):
     recs = [r.payload for r in reader.records(topic_filters=["torn/#"])]
     assert recs == [b"before-%d" % i for i in range(5)] + [b"after"]
     assert reader.verify() == []
+
+
+# --- logs from before CRC-32C -------------------------------------------------------------------
+
+
+def _to_crc32(data):
+    """The same batch as a wrenmq from before CRC-32C wrote it (zlib CRC-32 everywhere)."""
+    import zlib
+
+    from wrenmq.store.format import legacy_record_crc
+
+    data = bytearray(data)
+    b = Batch(bytes(data), verify=False)
+    crc_at = b.columns()["crc"][0]
+    for i, r in enumerate(b.records()):
+        struct.pack_into("<I", data, crc_at + 4 * i, legacy_record_crc(r.topic.encode(), r.client_id.encode(),
+                                                                       r.properties, r.payload))
+    struct.pack_into("<I", data, 8, zlib.crc32(bytes(data[12:])))
+    return bytes(data)
+
+
+def test_a_log_written_with_crc32_stays_readable_and_is_not_truncated(built, caplog):
+    """The checksums changed from CRC-32 to CRC-32C: a log written before must neither read
+    as corrupt nor be cut off as a corrupt tail by the next start."""
+    for seg, pos, base, count, size in built.batches:
+        path = built.seg_path(seg)
+        raw = path.read_bytes()
+        path.write_bytes(raw[:pos] + _to_crc32(raw[pos:pos + size]) + raw[pos + size:])
+    reader = LogReader(built.dir)
+    assert list(reader.records()) == built.records and reader.corrupt_records == 0
+    assert reader.verify() == []
+    with caplog.at_level(logging.WARNING, "wrenmq.store"):
+        built.log = CommitLog(built.dir, 8192, 1024)
+    assert built.log.truncated_bytes == 0 and "truncating" not in _warnings(caplog)
+    built.append(5)  # new batches (CRC-32C) after old ones
+    built.close()
+    assert list(LogReader(built.dir).records()) == built.records
+    # Salvage works on old batches too: one damaged record, the others served.
+    seg, (_, pos, base, count, size) = _sealed_middle_batch(built)
+    path = built.seg_path(seg)
+    k = next(i for i in range(count) if built.records[base + i].payload)
+    _flip(path, _payload_pos(path, pos, k))
+    _check_skips_exactly(built, LogReader(built.dir), {base + k}, caplog)

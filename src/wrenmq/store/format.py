@@ -26,11 +26,14 @@ let a damaged batch be salvaged record by record and let `wrenmq log verify`
 name the exact offsets that are bad. The offsets columns are Arrow's binary
 layout, so a reader builds Arrow arrays over the batch bytes without copying.
 Checksums are CRC-32C (Castagnoli, as in Kafka's record batches), computed with
-the hardware instruction by `google-crc32c`.
+the hardware instruction by `google-crc32c`. Logs written before that change carry
+CRC-32 (zlib) in the same places; readers accept either, so such a log stays
+readable and a recovering writer does not take it for a corrupt tail.
 """
 
 import struct
 import sys
+import zlib
 from array import array
 from itertools import accumulate
 
@@ -56,6 +59,12 @@ def record_crc(topic, client, props, payload):
     if props:
         crc = _crc_extend(crc, props)
     return _crc_extend(crc, payload)
+
+
+def legacy_record_crc(topic, client, props, payload):
+    """The CRC-32 (zlib) record checksum of logs written before CRC-32C."""
+    crc32 = zlib.crc32
+    return crc32(payload, crc32(props, crc32(client, crc32(topic))))
 
 
 class CorruptBatch(Exception):
@@ -129,8 +138,10 @@ class Batch:
         self.first_ts = first_ts
         self.max_ts = max_ts
         self._cols = None
-        if verify and _crc(bytes(memoryview(buf)[pos + 12:pos + size])) != crc:
-            raise CorruptBatch(f"batch at offset {base}: CRC mismatch")
+        if verify:
+            data = bytes(memoryview(buf)[pos + 12:pos + size])
+            if _crc(data) != crc and zlib.crc32(data) != crc:  # (CRC-32: a log from before CRC-32C)
+                raise CorruptBatch(f"batch at offset {base}: CRC mismatch")
 
     @property
     def next_offset(self):
@@ -204,7 +215,8 @@ class Batch:
             payload = bytes(mv[yb + yo[i]:yb + yo[i + 1]])
             f = flags[i]
             if check_records and (
-                    record_crc(topic, client, props, payload) != crcs[i]
+                    (record_crc(topic, client, props, payload) != crcs[i]
+                     and legacy_record_crc(topic, client, props, payload) != crcs[i])
                     or f & ~7 or f & 3 == 3 or not lo <= ts[i] <= hi
                     or (i == 0 and ts[0] != self.first_ts)
                     or to[i] > to[i + 1] or co[i] > co[i + 1] or po[i] > po[i + 1] or yo[i] > yo[i + 1]):

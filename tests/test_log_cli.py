@@ -2,9 +2,11 @@
 
 import datetime as dt
 import json
+import queue
 import shutil
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -254,13 +256,26 @@ def test_usage_errors(data_dir, tmp_path):
     assert r.returncode == 2 and "stats" in r.stdout
 
 
-def _read_lines(proc, n, timeout=10.0):
+def _line_queue(proc):
+    """Lines of proc's stdout, read on a thread (so a silent process cannot hang the test)."""
+    q = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            q.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def _read_lines(q, n, timeout=10.0):
     out = []
     deadline = time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line:
-            out.append(json.loads(line))
+    while len(out) < n:
+        try:
+            out.append(json.loads(q.get(timeout=max(0.01, deadline - time.monotonic()))))
+        except queue.Empty:
+            break
     return out
 
 
@@ -270,13 +285,14 @@ def test_tail_follow(damaged, dump):
     proc = subprocess.Popen([WRENMQ, "log", "tail", "--data-dir", str(damaged), "--follow", "--format", "json",
                              "--topic", "cli/#", "--interval", "0.05"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = _line_queue(proc)
     try:
-        first = _read_lines(proc, 10)
+        first = _read_lines(lines, 10)
         cli = [d for d in dump if d["topic"].startswith("cli/")]
         assert [d["offset"] for d in first] == [d["offset"] for d in cli[-10:]]
         publish_all(b.port, [("cli/live", b"live %d" % i, 1, False, None) for i in range(3)]
                     + [("elsewhere", b"x", 1, False, None)])
-        new = _read_lines(proc, 4)
+        new = _read_lines(lines, 4)
         assert [(d["topic"], d["payload"]) for d in new] == \
             [("cli/live", f"live {i}") for i in range(3)] + [("cli/fence", "fence")]
         assert new[0]["offset"] == dump[-1]["offset"] + 1

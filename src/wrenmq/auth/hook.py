@@ -222,6 +222,96 @@ class FileAuth(Hook):
                  f", {acl.rule_count} ACL rule(s) from {self.acl_path}" if acl is not None else "")
 
     def _reloaded(self):
+        pass
+
+
+class _PasswordMixin:
+    """Authentication with a password file (a coroutine: hashing runs in a thread)."""
+
+    async def authenticate(self, client, connect):
+        if getattr(client, "cert_identity", None) is not None:
+            # The verified certificate is the credential (Mosquitto skips the password
+            # file for use_identity_as_username too); the ACL applies to the CN.
+            return True
+        started = time.monotonic()
+        user = connect.username
+        if user is not None:
+            entry = self.passwords.get(user)
+            if entry is not None:
+                loop = asyncio.get_running_loop()
+                ok = await loop.run_in_executor(_executor(), entry.verify, connect.password)
+                if ok:
+                    return True
+                return await self._refuse_after_delay(
+                    started, client, "no password" if connect.password is None else "wrong password")
+        r = self._ask_others(client, connect)
+        if inspect.isawaitable(r):
+            r = await r
+        if r is not None:
+            return r
+        if user is not None:
+            return await self._refuse_after_delay(started, client, "unknown user")
+        return self._policy(client, connect)
+
+
+class _AclMixin:
+    """ACL checks with per-session decision caches."""
+
+    def _init_caches(self):
+        self._write = {}
+        self._read = {}
+
+    def on_connect(self, client):
+        self._forget(client)  # the session may come back under another user name
+
+    def on_disconnect(self, client, reason):
+        self._forget(client)
+
+    def _forget(self, client):
+        self._write.pop(client, None)
+        self._read.pop(client, None)
+
+    def _cache(self, caches, client):
+        c = caches.get(client)
+        if c is None:
+            if len(caches) >= _CACHE_SESSIONS:
+                caches.clear()
+            c = caches[client] = {}
+        elif len(c) >= _CACHE_TOPICS:
+            c.clear()
+        return c
+
+    def authorize_publish(self, client, topic, qos, retain):
+        c = self._write.get(client)
+        if c is not None:
+            r = c.get(topic, _MISS)
+            if r is not _MISS:
+                return r
+        r = None if self.acl.check(client.client_id, client.username, topic, WRITE) else False
+        if r is False:
+            log.debug("ACL: %s (user %r) may not publish to %s", client.client_id, client.username, topic)
+        self._cache(self._write, client)[topic] = r
+        return r
+
+    def authorize_deliver(self, client, message):
+        topic = message.topic
+        c = self._read.get(client)
+        if c is not None:
+            r = c.get(topic, _MISS)
+            if r is not _MISS:
+                return r
+        r = None if self.acl.check(client.client_id, client.username, topic, READ) else False
+        self._cache(self._read, client)[topic] = r
+        return r
+
+    def authorize_subscribe(self, client, topic_filter, qos):
+        if self.acl.check_subscribe(client.client_id, client.username, topic_filter):
+            return None
+        log.info("ACL: %s (user %r) may not subscribe to %s", client.client_id, client.username,
+                 topic_filter)
+        return False
+
+    def _reloaded(self):
         # Queued messages are checked again by the router when they are finally sent.
         self._init_caches()
 

@@ -20,7 +20,7 @@ import threading
 import time
 
 from ..mqtt.codec import decode_properties, encode_properties, encode_varint
-from .format import encode_batch
+from .format import encode_batch_parts
 from .log import CommitLog, LogReader
 from .state import META_SET, StateDB
 
@@ -66,7 +66,7 @@ class _Epoch:
         """The epoch's messages as one log batch (run on the writer thread)."""
         msgs = self.msgs
         ts = [int(m.timestamp * 1_000_000) for m in msgs]
-        data = encode_batch(
+        data = encode_batch_parts(
             self.base, ts,
             [m.qos | 4 if m.retain else m.qos for m in msgs],
             [m.topic_bytes for m in msgs],
@@ -274,7 +274,7 @@ class Store:
                         data, first_ts, max_ts = ep.encode(self._client_id_bytes)
                         self.log.append(data, ep.base, n, first_ts, max_ts)
                         self.appended += n
-                        self.bytes_appended += len(data)
+                        self.bytes_appended += len(data[0]) + len(data[1])
                         dirty = True
                     through = ep.base + n
                     ops.extend(ep.ops)

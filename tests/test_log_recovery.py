@@ -195,19 +195,36 @@ def test_flipped_bytes_in_the_active_segment_before_intact_batches_are_kept(tmp_
     _check_skips_exactly(built, LogReader(built.dir), {base + k}, caplog)
 
 
-@pytest.mark.parametrize("how", ["not-a-multiple-of-8", "past-the-end", "shorter", "bad-magic"])
-def test_damaged_batch_header_skips_to_the_next_batch(built, caplog, how):
+@pytest.mark.parametrize("how", ["not-a-multiple-of-8", "past-the-end", "shorter"])
+def test_damaged_length_field_is_repaired_from_the_columns(built, caplog, how):
+    """Only the length field is wrong: the columns say how long the batch is and its CRC
+    checks out over that length, so nothing is lost; verify still names the damage."""
+    seg, (_, pos, base, count, size) = _sealed_middle_batch(built)
+    path = built.seg_path(seg)
+    length = {"not-a-multiple-of-8": size - 8 + 3, "past-the-end": size + 64 * 1024, "shorter": 40}[how]
+    with open(path, "r+b") as fh:
+        fh.seek(pos + 4)
+        fh.write(struct.pack("<I", length))
+    reader = LogReader(built.dir)
+    with caplog.at_level(logging.ERROR, "wrenmq.store"):
+        assert list(reader.records()) == built.records
+    assert reader.corrupt_records == 0
+    assert f"{path}: batch at position {pos}" in _warnings(caplog) and "length field" in _warnings(caplog)
+    table = pa.Table.from_batches(list(read_arrow(reader)), schema=SCHEMA)
+    assert table.column("offset").to_pylist() == [r.offset for r in built.records]
+    problems = reader.verify()
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{path}: batch at position {pos} (offsets {base}-{base + count - 1}): "
+                                  f"its length field is damaged")
+
+
+@pytest.mark.parametrize("how", ["bad-magic", "bad-magic-and-length"])
+def test_unreadable_batch_header_skips_to_the_next_batch(built, caplog, how):
     seg, (_, pos, base, count, size) = _sealed_middle_batch(built)
     path = built.seg_path(seg)
     with open(path, "r+b") as fh:
         fh.seek(pos)
-        if how == "bad-magic":
-            fh.write(b"WRN2")
-        else:
-            fh.seek(pos + 4)
-            length = {"not-a-multiple-of-8": size - 8 + 3, "past-the-end": size + 64 * 1024,
-                      "shorter": 40}[how]
-            fh.write(struct.pack("<I", length))
+        fh.write(b"WRN2" + (struct.pack("<I", 12345) if how == "bad-magic-and-length" else b""))
     bad = set(range(base, base + count))
     reader = LogReader(built.dir)
     logged = _check_skips_exactly(built, reader, bad, caplog)
@@ -216,6 +233,35 @@ def test_damaged_batch_header_skips_to_the_next_batch(built, caplog, how):
     assert len(problems) == 1 and problems[0].startswith(f"{path}: ")
     lost = f"{base}-{base + count - 1}" if count > 1 else f"{base}"
     assert f"at position {pos}" in problems[0] and f"offsets {lost} lost" in problems[0]
+
+
+def test_torn_batch_in_the_active_segment_is_not_searched_for_batches(tmp_path, caplog):
+    """The payload of a batch cut short may hold bytes that look like batches (a client can
+    publish anything): recovery must take the whole rest for the torn tail, never a
+    "batch" found inside it."""
+    built = Built(tmp_path / "p", segment_bytes=1 << 20, index_interval=1024, seed=9)
+    built.fill(5)
+    seg, pos, base, count, size = built.batches[-1]
+    from log_helpers import encode
+    from wrenmq.store.format import Record
+    forged = encode([Record(base + 1000, built.ts, 1, True, "forged/topic", "spoofed-client", b"", b"evil", 0)])
+    # A real batch whose payload carries complete forged batches, 8-byte aligned in the file:
+    # with one record, the payload starts 48 + 8 + 4 + 4 * 8 + 2 + 1 + len("t") + len("c") = 97
+    # bytes into the batch.
+    pad = -97 % 8
+    carrier = encode([Record(base + count, built.ts, 0, False, "t", "c", b"", b"\0" * pad + forged * 3, 0)])
+    assert carrier.index(forged) == 97 + pad
+    built.close()
+    path = built.seg_path(seg)
+    with open(path, "ab") as fh:
+        fh.write(carrier[:len(carrier) - 16])  # cut short: the forged batches are all there
+    assert path.read_bytes().count(b"WRN1") > len(built.batches) + 1
+    with caplog.at_level(logging.WARNING, "wrenmq.store"):
+        log = CommitLog(built.dir, 1 << 20, 1024)
+    assert f"truncating {len(carrier) - 16} bytes" in _warnings(caplog)
+    assert log.end_offset == base + count
+    assert all(r.topic != "forged/topic" for r in log.records())
+    log.close()
 
 
 def test_unreadable_stretch_resumes_at_the_next_index_entry(built, caplog):

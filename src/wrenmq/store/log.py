@@ -28,7 +28,8 @@ import struct
 import time
 from array import array
 
-from .format import HEADER, HEADER_SIZE, MAGIC, Batch, BadRecord, CorruptBatch, Record, read_prefix
+from .format import (HEADER, HEADER_SIZE, MAGIC, MAX_BATCH_BYTES, Batch, BadRecord, CorruptBatch, Record,
+                     read_prefix)
 
 log = logging.getLogger("wrenmq.store")
 
@@ -282,17 +283,50 @@ def find_batch(fd, start, limit, end, expect=None):
     return None
 
 
-def walk(fd, pos, end, expect=None, bound=None):
+def _repair_length(fd, pos, end):
+    """The batch at `pos` if only its length field is damaged (its columns give its true
+    size and its CRC checks out over that size), else None."""
+    head = os.pread(fd, HEADER_SIZE, pos)
+    if len(head) < HEADER_SIZE or head[:4] != MAGIC:
+        return None
+    n = HEADER.unpack_from(head)[4]
+    fixed = HEADER_SIZE + 8 * n + 4 * n + 16 * (n + 1) + 2 * n + n
+    if fixed > min(end - pos, MAX_BATCH_BYTES):
+        return None
+    cols = os.pread(fd, fixed, pos)
+    if len(cols) < fixed:
+        return None
+    # The data lengths: the last entry of each of the four offsets columns.
+    lens = [struct.unpack_from("<I", cols, HEADER_SIZE + 12 * n + 4 * (n + 1) * k + 4 * n)[0] for k in range(4)]
+    true = fixed + sum(lens)
+    true += -true % 8
+    if true > end - pos or true > MAX_BATCH_BYTES:
+        return None
+    data = bytearray(os.pread(fd, true, pos))
+    if len(data) < true:
+        return None
+    struct.pack_into("<I", data, 4, true - 8)
+    try:
+        return Batch(bytes(data), 0)
+    except CorruptBatch:
+        return None
+
+
+def walk(fd, pos, end, expect=None, bound=None, search_tail=True):
     """Yield (position, item) for what lies in [pos, end) of an open segment file.
 
     item is a CRC-checked `Batch`, a `Salvaged` batch (its CRC failed but its
-    structure held: the records that check out and the offsets that do not) or a
-    `Damage` (bytes holding no readable batch). After damage the walk resumes at
-    the next intact batch with a base >= the expected offset, searched up to
-    `bound(pos)` (a known batch start such as the next index entry; the walk
-    resumes there if nothing is found before) or else up to `end`. A Damage
-    reaching `end` is a torn tail (or a batch still being written). `expect` is the
-    base offset the first batch should have, if known.
+    structure held: the records that check out and the offsets that do not; or
+    only its length field was damaged) or a `Damage` (bytes holding no readable
+    batch). After damage the walk resumes at the next intact batch with a base >=
+    the expected offset, searched up to `bound(pos)` (a known batch start such as
+    the next index entry; the walk resumes there if nothing is found before) or
+    else up to `end`. A Damage reaching `end` is a torn tail (or a batch still being
+    written). `expect` is the base offset the first batch should have, if known.
+
+    Without `search_tail`, a batch whose header is sound but which runs past `end`
+    is taken for a write cut short (a torn tail) and nothing after it is searched:
+    its partial payload could hold bytes that look like a batch.
     """
     buf = b""
     buf_pos = pos
@@ -303,10 +337,12 @@ def walk(fd, pos, end, expect=None, bound=None):
             buf_pos = pos
             rel = 0
         size = read_prefix(buf, rel)
+        torn = False
         if size is None:
             reason = "no batch header" if len(buf) - rel >= 8 else "incomplete batch header"
         elif pos + size > end:
             reason = f"batch of {size} bytes runs past the end of the data"
+            torn = True
         else:
             if len(buf) - rel < size:
                 buf = os.pread(fd, min(max(_READ_CHUNK, size), end - pos), pos)
@@ -341,6 +377,19 @@ def walk(fd, pos, end, expect=None, bound=None):
                     expect = b.base + b.count
                     pos += size
                     continue
+        if buf[rel:rel + 4] == MAGIC:
+            b = _repair_length(fd, pos, end)
+            if b is not None and (expect is None or b.base >= expect):
+                yield pos, Salvaged(pos, b.size, b.base, b.count, list(b.records()), [],
+                                    f"its length field is damaged (the batch is {b.size} bytes "
+                                    f"and checks out)")
+                expect = b.base + b.count
+                pos += b.size
+                buf = b""
+                continue
+            if torn and not search_tail:
+                yield pos, Damage(pos, end, reason)
+                return
         limit = end
         if bound is not None:
             nb = bound(pos)
@@ -408,14 +457,15 @@ class LogReader:
         """Pick up new segments and appended data, drop deleted segments."""
         known = {s.base: s for s in self.segments}
         segments = []
-        for base in _list_segments(self.dir):
+        bases = _list_segments(self.dir)
+        for base in bases:
             seg = known.get(base)
             if seg is None:
                 seg = Segment(self.dir, base)
             try:
                 size = os.path.getsize(seg.log_path)
                 if size != seg.scanned:
-                    self._describe(seg, size)
+                    self._describe(seg, size, base == bases[-1])
             except FileNotFoundError:
                 continue
             segments.append(seg)
@@ -426,8 +476,11 @@ class LogReader:
         # have thousands), and a segment deleted meanwhile stays readable until closed.
         return os.open(seg.log_path, os.O_RDONLY)
 
-    def _describe(self, seg, size):
-        """Learn a segment's extent (complete size, next offset, time range) from its files."""
+    def _describe(self, seg, size, last=False):
+        """Learn a segment's extent (complete size, next offset, time range) from its files.
+
+        `last`: the segment a writer appends to, whose end may be a write in progress or
+        cut short."""
         if seg.scanned < 0 or size < seg.scanned or size < seg.size:
             # First look, or the file shrank (a recovering writer truncated it): start over.
             seg.forget()
@@ -442,25 +495,25 @@ class LogReader:
                 loaded = len(seg.index_offsets)
                 seg.max_ts = seg.time_ts[-1]
                 seg.first_ts = _first_ts(fd, size)
-                if not self._extend(seg, fd, seg.last_indexed_pos, size, seg.index_offsets[-1], True):
+                if not self._extend(seg, fd, seg.last_indexed_pos, size, seg.index_offsets[-1], last, True):
                     # The last index entry does not lead to its batch: the index is stale.
                     seg.forget()
-                    self._extend(seg, fd, 0, size, seg.base)
+                    self._extend(seg, fd, 0, size, seg.base, last)
                 elif len(seg.index_offsets) != loaded:
                     seg.index_ok = False  # batches the index files lack
             else:
-                self._extend(seg, fd, seg.size, size, seg.next_offset)
+                self._extend(seg, fd, seg.size, size, seg.next_offset, last)
         finally:
             os.close(fd)
         seg.scanned = size
 
-    def _extend(self, seg, fd, start, size, expect, strict=False):
+    def _extend(self, seg, fd, start, size, expect, last, strict=False):
         """Walk [start, size) adding what is found to `seg`.
 
         With `strict`, return False if `start` does not hold the batch `expect` begins.
         """
         first = True
-        for pos, item in walk(fd, start, size, expect):
+        for pos, item in walk(fd, start, size, expect, search_tail=not last):
             if strict and first and (isinstance(item, Damage) or item.base != expect):
                 return False
             first = False
@@ -649,7 +702,7 @@ class LogReader:
             expect = seg.base
             damage = None
             try:
-                for pos, item in walk(fd, 0, size, seg.base):
+                for pos, item in walk(fd, 0, size, seg.base, search_tail=si < len(segs) - 1):
                     if isinstance(item, Damage):
                         damage = item
                         continue
@@ -834,7 +887,7 @@ class CommitLog(LogReader):
         damaged = []
         fd = self._open(seg)
         try:
-            for pos, item in walk(fd, 0, size, seg.base):
+            for pos, item in walk(fd, 0, size, seg.base, search_tail=False):
                 if isinstance(item, Damage):
                     damaged.append((pos, item, expect))
                     continue

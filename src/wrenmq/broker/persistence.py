@@ -22,6 +22,15 @@ from .topics import parse_shared, topic_matches
 
 log = logging.getLogger("wrenmq.persistence")
 
+
+class _RestoredGroup:
+    """Marks a restored message a shared group had chosen for this session (the group
+    object itself is rebuilt from the subscriptions; only the marking matters)."""
+
+    @staticmethod
+    def pick(exclude=None, allowed=None):
+        return None
+
 _RETENTION_EVERY = 30.0  # seconds between retention checks
 
 
@@ -124,7 +133,7 @@ class Persistence:
         op(S.SESSION_DELETE, cid, False)
         op(S.SUBS_DELETE_ALL, cid, False)
         op(S.QOS2_IN_DELETE_ALL, cid, False)
-        op(S.QOS2_OUT_DELETE_ALL, cid, False)
+        op(S.OUT_DELETE_ALL, cid, False)
         session.stored = False
 
     def subscribed(self, session, sub):
@@ -141,14 +150,29 @@ class Persistence:
         # that reuses the id look like a resend of the old one).
         self.store.op(S.QOS2_IN_ADD if add else S.QOS2_IN_DELETE, (session.client_id, pid))
 
-    def qos2_out(self, session, pid, offset, state):
-        """One row per delivered log offset: its packet id and how far the exchange got.
+    def qos2_out(self, session, out, state):
+        """The QoS 2 exchange of one delivered log offset: its packet id and how far it got.
 
         States 0 (PUBLISH sent) and 1 (PUBREL sent) are durable before the packet
         leaves, so a restart resumes the exchange with the same id; 2 (complete) keeps
-        a replay after a crash from delivering the message again.
+        a replay after a crash from delivering the message again. A completed message a
+        shared group chose is simply forgotten (groups are never replayed).
         """
-        self.store.op(S.QOS2_OUT_SET, (session.client_id, pid, offset, state), state < 2)
+        shared = out.group is not None
+        if state == 2 and shared:
+            self.store.op(S.OUT_DELETE, (session.client_id, out.msg.offset), False)
+        else:
+            self.store.op(S.OUT_SET, (session.client_id, out.msg.offset, out.packet_id, 2, state,
+                                      int(shared)), state < 2)
+
+    def shared_queued(self, session, out):
+        """A shared group chose this session for a logged QoS 1/2 message: remember it
+        (the group cannot find it again from its filter after a restart)."""
+        self.store.op(S.OUT_SET, (session.client_id, out.msg.offset, 0, out.qos, -1, 1), False)
+
+    def shared_done(self, session, out):
+        """Acknowledged, dropped or moved to another member."""
+        self.store.op(S.OUT_DELETE, (session.client_id, out.msg.offset), False)
 
     def retained_changed(self, msg):
         if msg.topic.startswith("$SYS"):
@@ -187,8 +211,14 @@ class Persistence:
             c = self.cursor_of(s)
             if c != s.cursor_saved:
                 op(S.SESSION_CURSOR, (c, s.client_id), False)
-                op(S.QOS2_OUT_GC, (s.client_id, c), False)
+                op(S.OUT_GC, (s.client_id, c), False)
                 s.cursor_saved = c
+            if everything:
+                # A clean stop: unacknowledged QoS 1 keep their packet ids across it.
+                for pid, out in s.inflight.items():
+                    if out.qos == 1 and out.msg.offset >= 0:
+                        op(S.OUT_SET, (s.client_id, out.msg.offset, pid, 1, 0,
+                                       int(out.group is not None)), False)
         op(S.META_SET, ("last_alive", repr(time.time())), False)
         now = time.monotonic()
         if store.log is not None and now - self._last_retention >= _RETENTION_EVERY:
@@ -234,6 +264,7 @@ class Persistence:
             s.cursor_saved = cursor
             if cursor < end:
                 s.resume_from = cursor
+                s.replay_dup_below = end  # may have been sent before the restart
             s.address = "(restored)"
             gone_at = disconnected_at if disconnected_at is not None else last_alive
             s.expires_at = None
@@ -265,26 +296,34 @@ class Persistence:
                     s = sessions.get(rec.client_id)
                     if s is not None:
                         s.restored_qos2.add(rec.packet_id)
-        # Outgoing QoS 2 exchanges: resume them with their packet ids.
-        for cid, pid, offset, st in state["qos2_out"]:
+        # Messages owed by packet id or by a shared group's choice: resume them.
+        for cid, offset, pid, qos, st, shared in state["outgoing"]:
             s = sessions.get(cid)
             if s is None or offset < start:
                 continue
-            if s.skip_offsets is None:
-                s.skip_offsets = set()
-            s.skip_offsets.add(offset)
+            if not shared:
+                if s.skip_offsets is None:
+                    s.skip_offsets = set()
+                s.skip_offsets.add(offset)
             if st >= 2:
                 continue
             recs = store.read(offset, 1)
             if not recs or recs[0].offset != offset:
                 continue
             msg = self.message_from_record(recs[0])
-            out = Outgoing(msg, 2, False)
+            group = _RestoredGroup if shared else None
+            out = Outgoing(msg, qos, False, (), group)
+            if st < 0:  # a shared group's choice, not sent yet
+                router._queue_push(s, out)
+                continue
             out.packet_id = pid
             out.released = st == 1
+            out.maybe_sent = True
             s.inflight[pid] = out
             s.inflight_bytes += out.size
             s.next_pid = pid + 1 if pid < 65535 else 1
+        # QoS 1 rows of a clean stop are in memory now; a later crash replays them instead.
+        store.op(S.OUT_DELETE_QOS1, (), False)
         for topic, qos, payload, props, client_id, ts, expires_at in state["retained"]:
             if expires_at is not None and expires_at <= now_wall:
                 continue

@@ -421,6 +421,8 @@ class Router:
                 # Nobody else online: keep it for this session.
                 self._queue_push(session, out)
                 continue
+            if session.stored and out.msg.offset >= 0:
+                self.persist.shared_done(session, out)
             q = out.msg.qos if out.msg.qos < sub.qos else sub.qos
             self._deliver(sub.session, out.msg, q, False, (sub.sub_id,) if sub.sub_id else (), out.group)
 
@@ -548,6 +550,8 @@ class Router:
             session.take_inflight(pkt.packet_id)
             if session.stored:
                 self.dirty.add(session)
+                if out.group is not None and out.msg.offset >= 0:
+                    self.persist.shared_done(session, out)
             if session.queue or session.resend or session.resume_from is not None:
                 self.drain(session)
 
@@ -560,14 +564,14 @@ class Router:
         if pkt.reason_code >= 0x80:
             session.take_inflight(pid)
             if session.stored and out.msg.offset >= 0:
-                self.persist.qos2_out(session, pid, out.msg.offset, 2)
+                self.persist.qos2_out(session, out, 2)
             if session.queue or session.resend or session.resume_from is not None:
                 self.drain(session)
             return
         if not out.released:
             out.released = True
             if session.stored and out.msg.offset >= 0:
-                self.persist.qos2_out(session, pid, out.msg.offset, 1)
+                self.persist.qos2_out(session, out, 1)
         session.conn.send(bytes((0x62, 2, pid >> 8, pid & 0xFF)))
 
     def handle_pubcomp(self, session, pkt):
@@ -577,7 +581,7 @@ class Router:
             if session.stored:
                 self.dirty.add(session)
                 if out.msg.offset >= 0:
-                    self.persist.qos2_out(session, pkt.packet_id, out.msg.offset, 2)
+                    self.persist.qos2_out(session, out, 2)
             if session.queue or session.resend or session.resume_from is not None:
                 self.drain(session)
 
@@ -806,6 +810,8 @@ class Router:
         out = Outgoing(msg, qos, retain, sub_ids, group, tracked)
         if session.stored:
             self.dirty.add(session)
+            if group is not None and msg.offset >= 0:
+                self.persist.shared_queued(session, out)
         if conn is not None and not session.queue and len(session.inflight) < session.send_quota \
                 and not conn.congested and session.inflight_bytes + out.size <= self.max_inflight_bytes:
             self._send_outgoing(session, out)
@@ -819,8 +825,8 @@ class Router:
         out.packet_id = pid
         msg = out.msg
         if out.qos == 2 and session.stored and msg.offset >= 0:
-            self.persist.qos2_out(session, pid, msg.offset, 0)
-        if not self._write_publish(session, msg, out.qos, out.retain, out.sub_ids, pid, False):
+            self.persist.qos2_out(session, out, 0)
+        if not self._write_publish(session, msg, out.qos, out.retain, out.sub_ids, pid, out.maybe_sent):
             session.take_inflight(pid)
 
     def _queue_push(self, session, out):
@@ -848,10 +854,15 @@ class Router:
                 if session.resume_from is None:
                     session.resume_from = out.msg.offset
                 return
-            session.dropped += 1
-            self.stats.pub_dropped += 1
+            self._dropped(session, out)
             return
         self._queue_push(session, out)
+
+    def _dropped(self, session, out):
+        session.dropped += 1
+        self.stats.pub_dropped += 1
+        if out.group is not None and session.stored and out.msg.offset >= 0:
+            self.persist.shared_done(session, out)
 
     def drain(self, session):
         """Move queued messages into the window while the client can take them.
@@ -879,11 +890,15 @@ class Router:
             if msg.expiry is not None and now >= msg.expiry:
                 self._queue_pop(session)
                 self.stats.expired += 1
+                if out.group is not None and session.stored and msg.offset >= 0:
+                    self.persist.shared_done(session, out)
                 continue
             if authorize is not None and authorize(session, msg) is False:
                 # Queued (or read back from the log) before a permission change.
                 self._queue_pop(session)
                 self.stats.denied_deliver += 1
+                if out.group is not None and session.stored and msg.offset >= 0:
+                    self.persist.shared_done(session, out)
                 continue
             if not out.qos:
                 self._queue_pop(session)
@@ -930,7 +945,9 @@ class Router:
                 if not q and not self.queue_qos0:
                     continue
                 msg = item if isinstance(item, Message) else persist.message_from_record(item)
-                self._queue_push(session, Outgoing(msg, q, msg.retain and rap, ids))
+                out = Outgoing(msg, q, msg.retain and rap, ids)
+                out.maybe_sent = off < session.replay_dup_below
+                self._queue_push(session, out)
                 queued += 1
         if start >= persist.next_offset:
             session.resume_from = None

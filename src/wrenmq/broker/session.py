@@ -36,7 +36,7 @@ class Outgoing:
     """A QoS 1/2 message sent (or about to be sent) to the session's client."""
 
     __slots__ = ("msg", "qos", "retain", "sub_ids", "packet_id", "released", "group", "tracked",
-                 "size")
+                 "size", "maybe_sent")
 
     def __init__(self, msg, qos, retain, sub_ids=(), group=None, tracked=True):
         self.msg = msg
@@ -53,6 +53,8 @@ class Outgoing:
         self.tracked = tracked and group is None
         # What it costs to hold (payload and topic; the message itself is shared).
         self.size = len(msg.payload) + len(msg.topic) + 64
+        # May have reached the client before a restart: send it with DUP set.
+        self.maybe_sent = False
 
 
 class Session:
@@ -63,7 +65,7 @@ class Session:
         "topic_alias_in_max", "receive_max_in", "username", "address", "connected_at",
         "dropped", "generation", "request_problem_info", "listener", "stored", "resume_from",
         "skip_offsets", "restored_qos2", "match_cache", "cursor_saved", "resend",
-        "queued_bytes", "inflight_bytes",
+        "queued_bytes", "inflight_bytes", "replay_dup_below",
     )
 
     def __init__(self, client_id):
@@ -82,6 +84,7 @@ class Session:
         self.resend = deque()  # packet ids in `inflight` still to be resent after a reconnect
         self.queued_bytes = 0  # sizes of the Outgoing in `queue`
         self.inflight_bytes = 0  # sizes of the Outgoing in `inflight`
+        self.replay_dup_below = 0  # log offsets below this, read back after a restart, get DUP
         self.incoming_qos2 = set()  # packet ids PUBRECed, waiting for PUBREL
         self.next_pid = 1
         # Per-connection limits, reset on every CONNECT.

@@ -46,11 +46,16 @@ CREATE TABLE IF NOT EXISTS qos2_in (
     packet_id INTEGER NOT NULL,
     PRIMARY KEY (client_id, packet_id)
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS qos2_out (
+CREATE TABLE IF NOT EXISTS outgoing (
+    -- A logged message owed to a session that its filters cannot tell again after a
+    -- restart: QoS 2 exchanges (the packet id must survive), messages a shared
+    -- subscription chose this session for, and, at a clean stop, unacknowledged QoS 1.
     client_id TEXT NOT NULL,
-    packet_id INTEGER NOT NULL,
     log_offset INTEGER NOT NULL,
-    state INTEGER NOT NULL,  -- 0 PUBLISH sent, 1 PUBREC received / PUBREL sent, 2 complete
+    packet_id INTEGER NOT NULL,  -- 0 while only queued
+    qos INTEGER NOT NULL,
+    state INTEGER NOT NULL,      -- -1 queued, 0 PUBLISH sent, 1 PUBREL sent, 2 complete
+    shared INTEGER NOT NULL,     -- chosen by a $share group
     PRIMARY KEY (client_id, log_offset)
 ) WITHOUT ROWID;
 """
@@ -67,7 +72,7 @@ SESSION_CURSOR = "UPDATE sessions SET cursor=? WHERE client_id=?"
 SESSION_DELETE = "DELETE FROM sessions WHERE client_id=?"
 SUBS_DELETE_ALL = "DELETE FROM subscriptions WHERE client_id=?"
 QOS2_IN_DELETE_ALL = "DELETE FROM qos2_in WHERE client_id=?"
-QOS2_OUT_DELETE_ALL = "DELETE FROM qos2_out WHERE client_id=?"
+OUT_DELETE_ALL = "DELETE FROM outgoing WHERE client_id=?"
 SUB_UPSERT = ("INSERT OR REPLACE INTO subscriptions (client_id, filter, qos, no_local, retain_as_published, "
               "retain_handling, sub_id, since) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
 SUB_DELETE = "DELETE FROM subscriptions WHERE client_id=? AND filter=?"
@@ -76,8 +81,11 @@ RETAINED_SET = ("INSERT OR REPLACE INTO retained (topic, qos, payload, propertie
 RETAINED_DELETE = "DELETE FROM retained WHERE topic=?"
 QOS2_IN_ADD = "INSERT OR IGNORE INTO qos2_in (client_id, packet_id) VALUES (?, ?)"
 QOS2_IN_DELETE = "DELETE FROM qos2_in WHERE client_id=? AND packet_id=?"
-QOS2_OUT_SET = "INSERT OR REPLACE INTO qos2_out (client_id, packet_id, log_offset, state) VALUES (?, ?, ?, ?)"
-QOS2_OUT_GC = "DELETE FROM qos2_out WHERE client_id=? AND state=2 AND log_offset<?"
+OUT_SET = ("INSERT OR REPLACE INTO outgoing (client_id, log_offset, packet_id, qos, state, shared) "
+           "VALUES (?, ?, ?, ?, ?, ?)")
+OUT_DELETE = "DELETE FROM outgoing WHERE client_id=? AND log_offset=?"
+OUT_GC = "DELETE FROM outgoing WHERE client_id=? AND state=2 AND log_offset<?"
+OUT_DELETE_QOS1 = "DELETE FROM outgoing WHERE qos=1 AND shared=0"
 META_SET = "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)"
 
 
@@ -130,8 +138,8 @@ class StateDB:
             "retained": c.execute("SELECT topic, qos, payload, properties, client_id, timestamp, expires_at "
                                   "FROM retained").fetchall(),
             "qos2_in": c.execute("SELECT client_id, packet_id FROM qos2_in").fetchall(),
-            "qos2_out": c.execute("SELECT client_id, packet_id, log_offset, state FROM qos2_out "
-                                  "ORDER BY client_id, log_offset").fetchall(),
+            "outgoing": c.execute("SELECT client_id, log_offset, packet_id, qos, state, shared "
+                                  "FROM outgoing ORDER BY client_id, log_offset").fetchall(),
         }
 
     def close(self):

@@ -134,6 +134,7 @@ def test_batch_options_topics_offsets_times_partitions(spark, data_dir):
     # maxRecordsPerPartition splits a partition's range into Spark partitions
     df = rd().option("maxRecordsPerPartition", "700").load(data_dir)
     assert df.rdd.getNumPartitions() == 5 + 2
+    assert rd().load(data_dir).rdd.getNumPartitions() == 2  # default: 250000 records per partition
     assert df.count() == 4000 and df.select("node", "offset").distinct().count() == 4000
     # an empty or missing data dir reads nothing
     assert rd().load(os.path.join(data_dir, "nothing-here")).count() == 0

@@ -7,7 +7,7 @@ import os
 
 log = logging.getLogger("wrenmq.pipeline")
 
-DEFAULT_MAX_RECORDS_PER_PARTITION = 1_000_000
+DEFAULT_MAX_RECORDS_PER_PARTITION = 250_000
 
 
 def log_root(path):

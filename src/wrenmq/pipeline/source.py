@@ -28,7 +28,7 @@ Options (case-insensitive), in the style of Spark's Kafka source:
     endingTimestamp         batch only: stop before the first record with timestamp >= this
     maxRecordsPerTrigger    streaming: at most this many log records per micro-batch
     maxRecordsPerPartition  split a partition's range into Spark partitions of at most this many
-                            records (default 1000000)
+                            records (default 250000)
     failOnDataLoss          true (default): fail when planned records were deleted by retention
 """
 
@@ -53,7 +53,7 @@ except ImportError:  # pragma: no cover - older pyspark: no admission control
 log = logging.getLogger("wrenmq.pipeline")
 
 FORMAT = "wrenmq"
-COALESCE_ROWS = 32768
+COALESCE_ROWS = int(os.environ.get("WRENMQ_COALESCE_ROWS", "131072"))
 COALESCE_BYTES = 32 << 20
 
 USER_PROPERTY_TYPE = StructType([StructField("key", StringType()), StructField("value", StringType())])
@@ -179,7 +179,8 @@ def to_spark_batch(rb, node):
 
 
 def _coalesced(batches):
-    """Merge the log's small group-commit batches into RecordBatches of ~COALESCE_ROWS rows."""
+    """Merge the log's small group-commit batches into RecordBatches of ~COALESCE_ROWS rows
+    (at most ~COALESCE_BYTES, far from the 2 GiB limit of 32-bit binary offsets)."""
     import pyarrow as pa
 
     pending = []
@@ -190,7 +191,7 @@ def _coalesced(batches):
             continue
         pending.append(rb)
         rows += rb.num_rows
-        size += rb.nbytes
+        size += rb.get_total_buffer_size()  # O(columns); nbytes walks the slices
         if rows >= COALESCE_ROWS or size >= COALESCE_BYTES:
             yield _concat(pa, pending)
             pending = []

@@ -296,7 +296,7 @@ def test_damage_outside_the_record_crcs_never_serves_wrong_records(built, caplog
         _flip(path, cols["timestamps"][0] + 8 * (count - 1) + 6, 0x08)
         bad = {base + count - 1}
     else:
-        _flip(path, cols["flags"][0], 0x08)  # a bit that is never set
+        _flip(path, cols["flags"][0], 0x10)  # a bit that is never set
         bad = {base}
     _check_skips_exactly(built, LogReader(built.dir), bad, caplog)
     assert LogReader(built.dir).verify() != []

@@ -158,6 +158,7 @@ class LogSection:
     index_interval_bytes: int = _key(4096, "Bytes of log between two sparse index entries.", 64)
     retention_bytes: int = _key(0, "Delete the oldest segments while the log is larger (0 = no size limit).", 0)
     retention_hours: float = _key(168.0, "Delete segments whose newest record is older (0 = keep forever).", 0)
+    retention_check_interval: float = _key(30.0, "Seconds between retention checks.", 0.1, 86400)
     retention_hard_bytes: int = _key(0, "Above this size segments go even if persistent sessions still "
                                      "need them (the loss is counted); 0 = never.", 0)
 

@@ -107,7 +107,7 @@ class Broker:
         persist.restore()
         store.start(self.loop)
         log.info("storage: %s (node %s, fsync %s, log %s at offset %d)", store.data_dir, store.node_id,
-                 store.fsync, "on" if store.log is not None else "off", store.next_offset)
+                 store.fsync, "on" if self.config.log.enabled else "off (owed messages only)", store.next_offset)
         self._checkpoint_handle = self.loop.call_later(
             self.config.storage.checkpoint_interval_ms / 1000.0, self._checkpoint)
 

@@ -31,17 +31,16 @@ class _RestoredGroup:
     def pick(exclude=None, allowed=None):
         return None
 
-_RETENTION_EVERY = 30.0  # seconds between retention checks
 
 
 class Persistence:
     def __init__(self, router, store):
         self.router = router
         self.store = store
-        self._log_filters = list(router.cfg.log.topics)
+        self._log_filters = list(router.cfg.log.topics) if router.cfg.log.enabled else []
         self._logged = {}  # topic -> bool
         self._rotor = iter(())
-        self._last_retention = 0.0
+        self._last_retention = float("-inf")  # first check at the first checkpoint
         self.restored_sessions = 0
 
     # --- the log ---------------------------------------------------------------
@@ -221,7 +220,7 @@ class Persistence:
                                        int(out.group is not None)), False)
         op(S.META_SET, ("last_alive", repr(time.time())), False)
         now = time.monotonic()
-        if store.log is not None and now - self._last_retention >= _RETENTION_EVERY:
+        if now - self._last_retention >= self.router.cfg.log.retention_check_interval:
             self._last_retention = now
             protect = min((self.cursor_of(s) for s in router.sessions.values() if s.stored),
                           default=store.next_offset)
@@ -291,7 +290,7 @@ class Persistence:
         # QoS 2 messages that reached the log just before a crash but not the database.
         log_through = int(meta.get("log_through", end))
         if store.log is not None and log_through < end:
-            for rec in store.read(max(log_through, start), end - log_through):
+            for rec in store.read(max(log_through, start), end - log_through):  # incl. private
                 if rec.qos == 2 and rec.packet_id:
                     s = sessions.get(rec.client_id)
                     if s is not None:

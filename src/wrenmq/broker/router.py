@@ -750,7 +750,7 @@ class Router:
         normal = tuple((s, q, rap, tuple(sorted(ids)), nl) for s, (q, rap, ids, nl) in agg.items())
         groups = tuple(g for values in self.shared.match(topic) for g in values.values())
         persist = self.persist
-        logged = persist is not None and persist.store.log is not None and persist.logged(topic)
+        logged = persist is not None and persist.logged(topic)
         result = (normal, groups, logged)
         if len(self._matches) > 100_000:
             self._matches.clear()
@@ -807,6 +807,11 @@ class Router:
             conn.send(msg.encode_qos0(session.v5, retain))
             self.stats.pub_sent += 1
             return
+        if session.stored:
+            if msg.offset < 0 and self.persist is not None:
+                # Not recorded for readers, but this persistent session is owed it: the
+                # log is where owed messages survive a restart.
+                self.persist.store.append(msg, 0, private=True)
         out = Outgoing(msg, qos, retain, sub_ids, group, tracked)
         if session.stored:
             self.dirty.add(session)
@@ -926,7 +931,13 @@ class Router:
         while scanned < max_records and queued < want:
             items = persist.read(start, 500)
             if not items:
-                start = max(start, persist.next_offset) if start >= persist.start_offset else persist.start_offset
+                if start < persist.start_offset:
+                    start = persist.start_offset  # deleted by retention (counted there)
+                    continue
+                if start < persist.next_offset and start < persist.store.written_through:
+                    start += 500  # a damaged stretch of the log (logged by the reader): skip it
+                    scanned += 500
+                    continue
                 break
             for item in items:
                 off = item.offset

@@ -39,7 +39,7 @@ def batch_to_arrow(batch):
 
     s, _ = cols["flags"]
     flags = np.frombuffer(raw, dtype=np.uint8, count=n, offset=s)
-    return pa.RecordBatch.from_arrays([
+    rb = pa.RecordBatch.from_arrays([
         pa.array(np.arange(batch.base, batch.base + n, dtype=np.int64)),
         pa.Array.from_buffers(pa.timestamp("us", tz="UTC"), n, [None, piece("timestamps")]),
         binary(pa.string(), "topic"),
@@ -49,9 +49,14 @@ def batch_to_arrow(batch):
         binary(pa.binary(), "payload"),
         binary(pa.binary(), "props"),
     ], schema=SCHEMA)
+    private = flags & 8
+    if private.any():  # kept for a persistent session, not part of the topic stream
+        rb = rb.filter(pa.array(private == 0))
+    return rb
 
 
 def records_to_arrow(records):
+    records = [r for r in records if not r.private]
     """Salvaged records (a list of format.Record) as a RecordBatch; the slow path."""
     return pa.RecordBatch.from_arrays([
         pa.array([r.offset for r in records], pa.int64()),

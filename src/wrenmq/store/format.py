@@ -18,7 +18,9 @@ One batch holds the records of one group commit. Layout (little-endian):
         property_offsets   u32[N+1]  (raw MQTT 5 property block, without its length prefix)
         payload_offsets    u32[N+1]
         packet_ids         u16[N]  the publisher's packet id of a QoS 2 message, else 0
-        flags              u8[N]   bits 0-1 QoS, bit 2 retain
+        flags              u8[N]   bits 0-1 QoS, bit 2 retain, bit 3 private (kept only
+                                   because a persistent session is owed it; readers of the
+                                   topic stream skip it)
         topic data, client data, property data, payload data, zero padding to 8
 
 The batch CRC makes the normal read one C call over the bytes; the record CRCs
@@ -217,13 +219,13 @@ class Batch:
             if check_records and (
                     (record_crc(topic, client, props, payload) != crcs[i]
                      and legacy_record_crc(topic, client, props, payload) != crcs[i])
-                    or f & ~7 or f & 3 == 3 or not lo <= ts[i] <= hi
+                    or f & ~15 or f & 3 == 3 or not lo <= ts[i] <= hi
                     or (i == 0 and ts[0] != self.first_ts)
                     or to[i] > to[i + 1] or co[i] > co[i + 1] or po[i] > po[i + 1] or yo[i] > yo[i + 1]):
                 yield BadRecord(self.base + i)
                 continue
             yield Record(self.base + i, ts[i], f & 3, bool(f & 4), topic.decode("utf-8", "replace"),
-                         client.decode("utf-8", "replace"), props, payload, pids[i])
+                         client.decode("utf-8", "replace"), props, payload, pids[i], bool(f & 8))
 
     def topics(self):
         """The topic of every record (decoded), for matching without touching payloads."""
@@ -236,9 +238,10 @@ class Batch:
 
 class Record:
     __slots__ = ("offset", "timestamp", "qos", "retain", "topic", "client_id", "properties", "payload",
-                 "packet_id")
+                 "packet_id", "private")
 
-    def __init__(self, offset, timestamp, qos, retain, topic, client_id, properties, payload, packet_id=0):
+    def __init__(self, offset, timestamp, qos, retain, topic, client_id, properties, payload, packet_id=0,
+                 private=False):
         self.offset = offset
         self.timestamp = timestamp  # microseconds since the epoch
         self.qos = qos
@@ -248,6 +251,7 @@ class Record:
         self.properties = properties  # raw MQTT 5 property block (no length prefix)
         self.payload = payload
         self.packet_id = packet_id
+        self.private = private  # not part of the topic stream (see the flags column)
 
     def __repr__(self):
         return (f"Record(offset={self.offset}, timestamp={self.timestamp}, topic={self.topic!r}, "

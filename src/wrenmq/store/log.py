@@ -633,8 +633,12 @@ class LogReader:
                       "serving its %d records", seg.log_path, item.pos, item.base, item.next_offset - 1,
                       item.reason, len(item.good))
 
-    def records(self, start=0, end=None, topic_filters=None):
-        """Yield Record objects with start <= offset < end, optionally filtered by MQTT filters."""
+    def records(self, start=0, end=None, topic_filters=None, private=False):
+        """Yield Record objects with start <= offset < end, optionally filtered by MQTT filters.
+
+        Private records (kept only for a persistent session, see format.py) are part of
+        the topic stream only for the broker itself (`private=True`).
+        """
         match = _matcher(topic_filters)
         for b in self.batches(start, end):
             recs = b.records() if isinstance(b, Batch) else b
@@ -643,6 +647,8 @@ class LogReader:
                     continue
                 if end is not None and r.offset >= end:
                     return
+                if r.private and not private:
+                    continue
                 if match is None or match(r.topic):
                     yield r
 

@@ -52,7 +52,7 @@ def parse_properties_block(block):
 class _Epoch:
     """What one loop turn produced: messages for the log (offsets base..), state operations."""
 
-    __slots__ = ("id", "base", "msgs", "pids", "ops", "durable")
+    __slots__ = ("id", "base", "msgs", "pids", "ops", "durable", "private")
 
     def __init__(self, eid, base):
         self.id = eid
@@ -61,14 +61,19 @@ class _Epoch:
         self.pids = []
         self.ops = []
         self.durable = False
+        self.private = None  # indexes of private records, if any
 
     def encode(self, client_bytes):
         """The epoch's messages as one log batch (run on the writer thread)."""
         msgs = self.msgs
         ts = [int(m.timestamp * 1_000_000) for m in msgs]
+        flags = [m.qos | 4 if m.retain else m.qos for m in msgs]
+        if self.private:
+            for i in self.private:
+                flags[i] |= 8
         data = encode_batch_parts(
             self.base, ts,
-            [m.qos | 4 if m.retain else m.qos for m in msgs],
+            flags,
             [m.topic_bytes for m in msgs],
             [client_bytes(m.client_id) for m in msgs],
             [properties_block(m) if m.properties else _EMPTY for m in msgs],
@@ -110,9 +115,9 @@ class Store:
         self.fsync_interval = st.fsync_interval_ms / 1000.0
         self.hold_output = st.fsync == "always"
         self.log_dir = os.path.join(self.data_dir, "log", self.node_id)
-        self.log = None
-        if lg.enabled:
-            self.log = CommitLog(self.log_dir, lg.segment_bytes, lg.index_interval_bytes)
+        # The log exists even with [log] enabled = false: it then holds only the private
+        # records that keep messages owed to persistent sessions across restarts.
+        self.log = CommitLog(self.log_dir, lg.segment_bytes, lg.index_interval_bytes)
         self._reader = None
         sync = {"always": "FULL", "interval": "NORMAL", "never": "OFF"}[st.fsync]
         self.db = StateDB(os.path.join(self.data_dir, "state.db"), sync)
@@ -133,7 +138,8 @@ class Store:
         self.failed = None
         self.appended = 0
         self.bytes_appended = 0
-        self.lost_to_retention = 0
+        # Records deleted while persistent sessions still needed them (kept across restarts).
+        self.lost_to_retention = int(self.db.meta().get("retention_lost", 0))
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -157,11 +163,13 @@ class Store:
 
     # --- the event loop side -----------------------------------------------------
 
-    def append(self, msg, packet_id=0):
+    def append(self, msg, packet_id=0, private=False):
         """Give `msg` the next offset and put it in the current epoch.
 
         `packet_id` is the publisher's id of a QoS 2 message: recovery uses it to
         recognise a resend of a message that reached the log just before a crash.
+        `private`: the topic is not recorded for readers, but a persistent session is
+        owed the message, and the log is where owed messages survive a restart.
         """
         off = self.next_offset
         self.next_offset = off + 1
@@ -171,6 +179,10 @@ class Store:
             if not e.ops and self.on_pending is not None:
                 self.on_pending()
             self._tail.append(e)
+        if private:
+            if e.private is None:
+                e.private = []
+            e.private.append(len(e.msgs))
         e.msgs.append(msg)
         e.pids.append(packet_id)
         if msg.qos:
@@ -318,7 +330,7 @@ class Store:
         if start < mem_base:
             reader = self._disk_reader()
             end = min(mem_base, start + limit)
-            for rec in reader.records(start, end):
+            for rec in reader.records(start, end, private=True):
                 out.append(rec)
             if not out or out[-1].offset + 1 < end:
                 # Retention deleted what was asked for, or the files end early: return
@@ -362,3 +374,4 @@ class Store:
                                                    lg.retention_hard_bytes)
         if lost:
             self.lost_to_retention += lost
+            self.db.apply([(META_SET, ("retention_lost", str(self.lost_to_retention)))])

@@ -89,3 +89,24 @@ def subscribe(client, topic, qos=1, timeout=5.0):
     kind, _mid, rcs, _props = client.acks.get(timeout=timeout)
     assert kind == "suback"
     return rcs
+
+
+def duckdb_counts(path):
+    """(rows, distinct (node, offset)) of a hive-partitioned Parquet folder, as DuckDB counts
+    them with a recursive glob; None without duckdb. Run in a subprocess: duckdb 2.0's
+    bindings report leaked objects at interpreter exit, noise in the test output."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, duckdb\n"
+        "with duckdb.connect() as con:\n"
+        "    r = con.execute(\"SELECT count(*), count(DISTINCT (node, \\\"offset\\\")) FROM read_parquet('\" + sys.argv[1]\n"
+        "                    + \"/**/*.parquet', hive_partitioning=true)\").fetchone()\n"
+        "print(r[0], r[1])\n")
+    p = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=60)
+    if p.returncode != 0 and "No module named 'duckdb'" in p.stderr:
+        return None
+    assert p.returncode == 0, p.stderr
+    a, b = p.stdout.split()[:2]
+    return int(a), int(b)

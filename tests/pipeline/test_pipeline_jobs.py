@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from pipeline_helpers import T0, lake_offsets, subscribe, telemetry, write_log  # noqa: E402
+from pipeline_helpers import T0, duckdb_counts, lake_offsets, subscribe, telemetry, write_log  # noqa: E402
 
 from wrenmq.pipeline import jobs  # noqa: E402
 from wrenmq.pipeline.sink import AtomicParquetSink  # noqa: E402
@@ -29,13 +29,9 @@ def _every_reader_counts(path):
 
     out = {"pyarrow": ds.dataset(path, format="parquet", partitioning="hive").count_rows(),
            "pandas": len(pd.read_parquet(path))}
-    try:
-        import duckdb
-    except ImportError:
-        return out
-    with duckdb.connect() as con:
-        out["duckdb"] = con.execute(f"SELECT count(*) FROM read_parquet('{path}/**/*.parquet', "
-                                    "hive_partitioning=true)").fetchone()[0]
+    dd = duckdb_counts(path)
+    if dd is not None:
+        out["duckdb"] = dd[0]
     return out
 
 

@@ -1,8 +1,16 @@
-"""Fixtures of the pipeline tests: ONE real local SparkSession (local[2]) for the whole run."""
+"""Fixtures of the pipeline tests: ONE real local SparkSession (local[2]) for the whole run.
+
+The session starts with the first test that needs it and is stopped right after the last
+pipeline test, so its JVM does not idle through the rest of the suite.
+"""
 
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
+
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +23,27 @@ def spark():
     s = session("local[2]", app_name="wrenmq-tests", conf={"spark.sql.shuffle.partitions": "2"})
     yield s
     s.stop()
+
+
+def _in_here(item):
+    return HERE in Path(str(item.fspath)).resolve().parents
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is not None and _in_here(nextitem):
+        return
+    items = item.session.items
+    try:
+        rest = items[items.index(item) + 1:]
+    except ValueError:
+        return
+    if any(_in_here(x) for x in rest) or "pyspark" not in sys.modules:
+        return
+    from pyspark.sql import SparkSession
+
+    s = SparkSession.getActiveSession()
+    if s is not None:
+        s.stop()
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from pipeline_helpers import duckdb_counts, lake_offsets, wait_for  # noqa: E402
+from .pipeline_helpers import duckdb_counts, lake_offsets, wait_for  # noqa: E402
 
 WRENMQ = str(Path(sys.executable).with_name("wrenmq"))
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from pipeline_helpers import T0, duckdb_counts, lake_offsets, subscribe, telemetry, write_log  # noqa: E402
+from .pipeline_helpers import T0, duckdb_counts, lake_offsets, subscribe, telemetry, write_log  # noqa: E402
 
 from wrenmq.pipeline import jobs  # noqa: E402
 from wrenmq.pipeline.sink import AtomicParquetSink  # noqa: E402

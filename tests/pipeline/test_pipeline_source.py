@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from pipeline_helpers import T0, props_block, telemetry, wait_for, write_log  # noqa: E402
+from .pipeline_helpers import T0, props_block, telemetry, wait_for, write_log  # noqa: E402
 
 from wrenmq.pipeline.source import (SCHEMA, cap_offsets, properties_column, spark_arrow_schema,  # noqa: E402
                                     to_spark_batch)

@@ -1,0 +1,1 @@
+"""Pipeline tests (a package, so that its conftest does not shadow tests/conftest.py)."""

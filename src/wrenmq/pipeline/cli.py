@@ -130,7 +130,11 @@ def _replay(args):
                       from_offset=args.from_offset, to_offset=args.to_offset, from_time=args.from_time,
                       to_time=args.to_time, prefix=args.prefix, strip_prefix=args.strip_prefix,
                       rate=args.rate, qos=args.qos, keep_retain=args.keep_retain, quiet=args.quiet)
-    r = replay(o)
+    try:
+        r = replay(o)
+    except OSError as e:
+        print(f"wrenmq pipeline replay: cannot reach the broker at {args.broker}: {e}", file=sys.stderr)
+        return 1
     if not args.quiet:
         print(f"replayed {r['messages']} messages in {r['seconds']:.1f} s ({r['rate']:,.0f} msg/s)")
     return 0

@@ -132,6 +132,8 @@ def demo(devices=200, seconds=60.0, interval=1.0, workdir=None, port=0, master=N
     from rich.console import Console
 
     console = Console(file=out) if out is not None else Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 120)
     own = workdir is None
     workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="wrenmq-demo-"))
     data = os.path.join(workdir, "data")

@@ -188,7 +188,7 @@ def stats_message(d, fields):
     for f in fields:
         n = _field_name(f)
         if d.get(f"{n}_mean") is not None:
-            out[f] = {"min": d[f"{n}_min"], "mean": d[f"{n}_mean"], "max": d[f"{n}_max"]}
+            out[f] = {"min": d[f"{n}_min"], "mean": round(d[f"{n}_mean"], 9), "max": d[f"{n}_max"]}
     return out
 
 
@@ -396,6 +396,11 @@ def run(job, o, spark=None, console=None):
 
     if job == "replay":
         raise ValueError("replay runs through wrenmq.pipeline.replay")
+    from .common import log_root
+
+    root = log_root(o.data_dir)
+    if not os.path.isdir(root):
+        log.warning("no commit log under %s (yet): is --data-dir the broker's data dir?", root)
     own = spark is None
     if own:
         from .spark import session

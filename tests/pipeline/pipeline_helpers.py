@@ -24,7 +24,7 @@ def write_log(data_dir, node, records, per_batch=100, segment_bytes=64 << 20):
     """Append records to <data_dir>/log/<node> with the store's CommitLog.
 
     `records`: iterable of dicts with topic, payload and optional ts (µs), client_id, qos,
-    retain, props (bytes). Returns the offsets [first, end).
+    retain, props (bytes), private (a record kept only for a persistent session: flag bit 3). Returns the offsets [first, end).
     """
     log = CommitLog(os.path.join(data_dir, "log", node), segment_bytes=segment_bytes)
     first = base = log.end_offset
@@ -35,7 +35,8 @@ def write_log(data_dir, node, records, per_batch=100, segment_bytes=64 << 20):
         if not batch:
             return
         ts = [r.get("ts", T0) for r in batch]
-        data = encode_batch(base, ts, [r.get("qos", 0) | (4 if r.get("retain") else 0) for r in batch],
+        data = encode_batch(base, ts, [r.get("qos", 0) | (4 if r.get("retain") else 0) | (8 if r.get("private") else 0)
+                                       for r in batch],
                             [r["topic"].encode() for r in batch],
                             [r.get("client_id", "c").encode() for r in batch],
                             [r.get("props", b"") for r in batch],

@@ -206,6 +206,32 @@ def _concat(pa, batches):
     return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
 
 
+def _batch_start(reader, start, end):
+    """The first offset of the log batch holding `start`.
+
+    `read_arrow` trims a batch that begins before `start` by row position, which is wrong
+    when the batch holds private records (filtered out before the trim); asking it for the
+    whole batch and trimming by offset here stays correct either way.
+    """
+    for b in reader.batches(start, end):
+        base = getattr(b, "base", None)
+        if base is None:
+            recs = list(getattr(b, "good", b) or ())
+            base = recs[0].offset if recs else start
+        return min(start, base)
+    return start
+
+
+def _from_offset(batches, start):
+    import pyarrow.compute as pc
+
+    for rb in batches:
+        if rb.num_rows and rb.column(0)[0].as_py() < start:
+            rb = rb.filter(pc.greater_equal(rb.column(0), start))
+        if rb.num_rows:
+            yield rb
+
+
 def read_partition(part, topics, fail_on_data_loss=True):
     """Yield Spark-schema RecordBatches of one planned LogPartition (runs in the workers)."""
     from wrenmq.store.arrow import read_arrow
@@ -228,7 +254,11 @@ def read_partition(part, topics, fail_on_data_loss=True):
             start = reader.start_offset
         if start >= part.end:
             return
-        for rb in _coalesced(read_arrow(reader, start, part.end, topics)):
+        aligned = _batch_start(reader, start, part.end)
+        batches = read_arrow(reader, aligned, part.end, topics)
+        if aligned < start:
+            batches = _from_offset(batches, start)
+        for rb in _coalesced(batches):
             yield to_spark_batch(rb, part.node)
         if reader.corrupt_records:
             log.error("wrenmq source: %d damaged record(s) in partition %r offsets %d-%d were skipped",

@@ -446,6 +446,8 @@ class Connection(asyncio.Protocol):
             return
         self.session = session
         self.state = _OPEN
+        if self._auth_method is None:
+            self._connect = None  # kept only for re-authentication
         self.decoder.version = pkt.version
         self._last_rx = monotonic()
         if self.keepalive:

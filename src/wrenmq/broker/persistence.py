@@ -286,7 +286,7 @@ class Persistence:
         for cid, pid in state["qos2_in"]:
             s = sessions.get(cid)
             if s is not None:
-                s.restored_qos2.add(pid)
+                s.add_restored_qos2(pid)
         # QoS 2 messages that reached the log just before a crash but not the database.
         log_through = int(meta.get("log_through", end))
         if store.log is not None and log_through < end:
@@ -294,7 +294,7 @@ class Persistence:
                 if rec.qos == 2 and rec.packet_id:
                     s = sessions.get(rec.client_id)
                     if s is not None:
-                        s.restored_qos2.add(rec.packet_id)
+                        s.add_restored_qos2(rec.packet_id)
         # Messages owed by packet id or by a shared group's choice: resume them.
         for cid, offset, pid, qos, st, shared in state["outgoing"]:
             s = sessions.get(cid)

@@ -9,6 +9,7 @@ commit log (and later the cluster) sit.
 
 import heapq
 import logging
+from collections import deque
 import os
 import time
 from itertools import count
@@ -243,12 +244,14 @@ class Router:
         session.address = conn.address
         session.listener = conn.listener_name
         session.connected_at = now
-        session.alias_in = {}
-        session.alias_out = {}
+        session.alias_in = None
+        session.alias_out = None
         cprops = pkt.properties
         session.send_quota = min(cprops.get("receive_maximum", 65535), limits.max_inflight)
         session.max_packet_out = cprops.get("maximum_packet_size", 0)
         session.alias_out_max = cprops.get("topic_alias_maximum", 0)
+        if session.alias_out_max:
+            session.alias_out = {}
         session.topic_alias_in_max = limits.topic_alias_maximum if v5 else 0
         session.receive_max_in = limits.receive_maximum
         session.request_problem_info = bool(cprops.get("request_problem_information", 1))
@@ -306,7 +309,7 @@ class Router:
         old.session = None
         self.online -= 1
         session.conn = None
-        session.resend.clear()
+        session.resend = ()
         if session.will is not None and (clean or not session.will_delay):
             self._publish_will(session)
         session.will = None
@@ -320,7 +323,8 @@ class Router:
         for pid, out in list(session.inflight.items()):
             if not out.released and out.msg.expired(now):
                 session.take_inflight(pid)
-        session.resend.extend(session.inflight)
+        if session.inflight:
+            session.resend = deque(session.inflight)
         self.drain(session)
 
     def _resend(self, session, pid):
@@ -336,7 +340,7 @@ class Router:
         """The client's connection closed (any way other than takeover)."""
         session.conn = None
         session.generation += 1
-        session.resend.clear()
+        session.resend = ()
         self.online -= 1
         now = self.clock()
         self.hooks.on_disconnect(session, reason)
@@ -391,10 +395,10 @@ class Router:
             self._remove_subscription(session, sub)
         session.subscriptions.clear()
         self._clear_queue(session)
-        session.resend.clear()
+        session.resend = ()
         session.inflight.clear()
         session.inflight_bytes = 0
-        session.incoming_qos2.clear()
+        session.incoming_qos2 = session.restored_qos2 = frozenset()
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
         if self.persist is not None:
@@ -465,9 +469,11 @@ class Router:
                 if not alias or alias > session.topic_alias_in_max:
                     raise MQTTError(C.TOPIC_ALIAS_INVALID, f"topic alias {alias} out of range")
                 if topic:
+                    if session.alias_in is None:
+                        session.alias_in = {}
                     session.alias_in[alias] = topic
                 else:
-                    topic = session.alias_in.get(alias)
+                    topic = session.alias_in.get(alias) if session.alias_in else None
                     if topic is None:
                         raise MQTTError(C.PROTOCOL_ERROR, f"unknown topic alias {alias}")
             props = message_properties(props)
@@ -501,7 +507,7 @@ class Router:
                 # Known from before a restart and not yet released by PUBREL: whatever the
                 # DUP flag says (clients do resend without it), this is the same message.
                 restored.discard(pid)
-                session.incoming_qos2.add(pid)
+                session.add_incoming_qos2(pid)
                 session.conn.send(bytes((_PUBREC, 2, pid >> 8, pid & 0xFF)))
                 return
         if qos and session.v5 and len(session.incoming_qos2) >= session.receive_max_in:
@@ -528,16 +534,14 @@ class Router:
             session.conn.send(_encode_ack(_PUBACK, pid, reason, session.v5))
         elif qos == 2:
             if reason < 0x80:
-                session.incoming_qos2.add(pid)
+                session.add_incoming_qos2(pid)
                 if session.stored:
                     self.persist.qos2_in(session, pid, True)
             session.conn.send(_encode_ack(_PUBREC, pid, reason, session.v5))
 
     def handle_pubrel(self, session, pkt):
         pid = pkt.packet_id
-        if pid in session.incoming_qos2 or (session.restored_qos2 and pid in session.restored_qos2):
-            session.incoming_qos2.discard(pid)
-            session.restored_qos2.discard(pid)
+        if session.release_incoming_qos2(pid):
             if session.stored:
                 self.persist.qos2_in(session, pid, False)
             session.conn.send(bytes((_PUBCOMP, 2, pid >> 8, pid & 0xFF)))
@@ -835,6 +839,8 @@ class Router:
             session.take_inflight(pid)
 
     def _queue_push(self, session, out):
+        if session.queue.__class__ is tuple:
+            session.queue = deque()
         session.queue.append(out)
         session.queued_bytes += out.size
         self.queued_bytes += out.size
@@ -848,7 +854,7 @@ class Router:
     def _clear_queue(self, session):
         self.queued_bytes -= session.queued_bytes
         session.queued_bytes = 0
-        session.queue.clear()
+        session.queue = ()
 
     def _enqueue(self, session, out):
         size = out.size
@@ -887,6 +893,7 @@ class Router:
             return
         if not queue and session.resume_from is not None and conn is not None:
             self.catch_up(session)
+            queue = session.queue
         max_bytes = self.max_inflight_bytes
         authorize = self.hooks.authorize_deliver
         while queue and conn is not None and not conn.congested:
@@ -916,6 +923,7 @@ class Router:
             self._send_outgoing(session, out)
             if not queue and session.resume_from is not None:
                 self.catch_up(session)
+                queue = session.queue
 
     def catch_up(self, session, max_records=2000):
         """Queue the session's next messages from the commit log (after a crash, a long

@@ -17,7 +17,7 @@ _HOP_PROPERTIES = ("topic_alias", "subscription_identifier")
 class Message:
     __slots__ = (
         "topic", "payload", "qos", "retain", "properties", "expiry", "client_id", "origin",
-        "raw", "raw_v5", "timestamp", "offset", "_topic_b", "_props_v5", "_cache",
+        "raw", "raw_v5", "timestamp", "offset", "_topic_b", "_props_v5", "_cache", "packet",
     )
 
     def __init__(self, topic, payload, qos=0, retain=False, properties=None, expiry=None,
@@ -42,6 +42,9 @@ class Message:
         self._topic_b = None
         self._props_v5 = None
         self._cache = None
+        # While it is being routed: the PUBLISH it came from, whose bytes can be forwarded
+        # as they are (cut from the received data only if a subscriber needs them).
+        self.packet = None
 
     @property
     def topic_bytes(self):
@@ -99,10 +102,12 @@ class Message:
 
     def encode_qos0(self, v5, retain, sub_ids=(), now=0.0):
         """The full QoS 0 PUBLISH for a subscriber, reusing the received bytes when identical."""
-        raw = self.raw
-        if raw is not None and v5 == self.raw_v5 and not retain and not sub_ids and (
-                not v5 or self.expiry is None):
-            return raw
+        if v5 == self.raw_v5 and not retain and not sub_ids and (not v5 or self.expiry is None):
+            raw = self.raw
+            if raw is None and self.packet is not None:
+                raw = self.raw = self.packet.raw
+            if raw is not None:
+                return raw
         head, tail = self.parts(v5, 0, retain, sub_ids, now)
         return head + tail
 

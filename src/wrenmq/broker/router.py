@@ -459,7 +459,7 @@ class Router:
     def handle_publish(self, session, pkt):
         topic = pkt.topic
         props = pkt.properties
-        raw = pkt.raw
+        raw = pkt  # forwardable as received (its bytes are cut only if a subscriber needs them)
         if session.v5 and props:
             if "subscription_identifier" in props:
                 raise MQTTError(C.PROTOCOL_ERROR, "PUBLISH from a client carries a subscription identifier")
@@ -522,14 +522,24 @@ class Router:
             stats.denied_publish += 1
             reason = C.NOT_AUTHORIZED
         else:
-            if self.limits.max_message_expiry or props:
-                msg = self._new_message(topic, pkt.payload, qos, retain, props, session.client_id,
-                                        session, raw, session.v5)
+            hit = self._matches.get(topic)
+            if hit is None:
+                hit = self._match(topic)
+            if not (hit[0] or hit[1] or hit[2] or retain) and hooks.on_publish is None:
+                # Nobody subscribed, not recorded, not retained: nothing to build.
+                if session.v5:
+                    reason = C.NO_MATCHING_SUBSCRIBERS
             else:
-                msg = Message(topic, pkt.payload, qos, retain, props, None, session.client_id,
-                              session, raw, session.v5, time.time())
-            if not self.publish(msg, pid if qos == 2 else 0) and session.v5:
-                reason = C.NO_MATCHING_SUBSCRIBERS
+                if self.limits.max_message_expiry or props:
+                    msg = self._new_message(topic, pkt.payload, qos, retain, props,
+                                            session.client_id, session, None, session.v5)
+                else:
+                    msg = Message(topic, pkt.payload, qos, retain, props, None, session.client_id,
+                                  session, None, session.v5, time.time())
+                msg.packet = raw
+                if not self.publish(msg, pid if qos == 2 else 0) and session.v5:
+                    reason = C.NO_MATCHING_SUBSCRIBERS
+                msg.packet = None
         if qos == 1:
             session.conn.send(_encode_ack(_PUBACK, pid, reason, session.v5))
         elif qos == 2:

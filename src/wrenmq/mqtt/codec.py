@@ -335,7 +335,7 @@ def _decode_connack(flags, data, pos, end, version):
     return Connack(bool(ack_flags & 1), rc, props)
 
 
-def decode_publish(flags, data, pos, end, version, raw):
+def decode_publish(flags, data, pos, end, version, start):
     qos = (flags >> 1) & 3
     if qos == 3:
         raise _malformed("PUBLISH with QoS 3")
@@ -370,7 +370,7 @@ def decode_publish(flags, data, pos, end, version, raw):
             pos += 1
         else:
             props, pos = decode_properties(data, pos, end, "P")
-    return Publish(topic, data[pos:end], qos, bool(flags & 1), dup, pid, props, raw)
+    return Publish(topic, data[pos:end], qos, bool(flags & 1), dup, pid, props, None, (data, start, end))
 
 
 def _ack_decoder(cls, ptype, want_flags):
@@ -620,7 +620,7 @@ class Decoder:
                 break
             ptype = first >> 4
             if ptype == 3:
-                pkt = decode_publish(first & 0x0F, data, body, end, version, data[pos:end])
+                pkt = decode_publish(first & 0x0F, data, body, end, version, pos)
             else:
                 dec = decoders[ptype]
                 if dec is None:

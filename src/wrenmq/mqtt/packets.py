@@ -95,14 +95,18 @@ class Connack(Packet):
 
 
 class Publish(Packet):
-    """A PUBLISH. `raw` holds the exact bytes it was decoded from (None if built here)."""
+    """A PUBLISH. `raw` is the exact bytes it was decoded from (None if built here).
 
-    __slots__ = ("topic", "payload", "qos", "retain", "dup", "packet_id", "properties", "raw")
+    The decoder does not copy them: `raw` is cut from the received data the first
+    time someone asks (a broker forwarding the packet unchanged), else never.
+    """
+
+    __slots__ = ("topic", "payload", "qos", "retain", "dup", "packet_id", "properties", "_raw", "_src")
     TYPE = C.PUBLISH
-    _eq_ignore = ("raw",)
+    _eq_ignore = ("_raw", "_src")
 
     def __init__(self, topic, payload=b"", qos=0, retain=False, dup=False, packet_id=None,
-                 properties=None, raw=None):
+                 properties=None, raw=None, src=None):
         self.topic = topic
         self.payload = payload
         self.qos = qos
@@ -110,7 +114,17 @@ class Publish(Packet):
         self.dup = dup
         self.packet_id = packet_id
         self.properties = _props(properties)
-        self.raw = raw
+        self._raw = raw
+        self._src = src  # (data, start, end) of the packet in the received bytes
+
+    @property
+    def raw(self):
+        raw = self._raw
+        if raw is None and self._src is not None:
+            data, start, end = self._src
+            raw = self._raw = data[start:end]
+            self._src = None
+        return raw
 
 
 class _Ack(Packet):

@@ -261,8 +261,6 @@ def _private_log(data_dir):
     return [i for i in range(40) if i % 4 != 1]
 
 
-@pytest.mark.xfail(strict=True, reason="store/arrow.py read_arrow trims a batch that begins before `start` "
-                   "by row position after private records were filtered out: rows at or after `start` are lost")
 def test_store_read_arrow_from_an_offset_inside_a_batch_with_private_records(data_dir):
     from wrenmq.store.arrow import read_arrow
     from wrenmq.store.log import LogReader

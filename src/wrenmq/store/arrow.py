@@ -94,7 +94,8 @@ def read_arrow(reader, start=0, end=None, topic_filters=None, max_rows=None):
         rb = batch_to_arrow(b) if isinstance(b, Batch) else records_to_arrow(b)
         base = rb.column(0)[0].as_py() if rb.num_rows else start
         if base < start:
-            rb = rb.slice(start - base) if isinstance(b, Batch) else rb.filter(pc.greater_equal(rb.column(0), start))
+            # By offset, not position: private records may already be filtered out.
+            rb = rb.filter(pc.greater_equal(rb.column(0), start))
         if end is not None and rb.num_rows and rb.column(0)[rb.num_rows - 1].as_py() >= end:
             rb = rb.filter(pc.less(rb.column(0), end))
         if match is not None and rb.num_rows:

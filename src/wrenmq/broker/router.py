@@ -525,8 +525,14 @@ class Router:
             hit = self._matches.get(topic)
             if hit is None:
                 hit = self._match(topic)
-            if not (hit[0] or hit[1] or hit[2] or retain) and hooks.on_publish is None:
-                # Nobody subscribed, not recorded, not retained: nothing to build.
+            if not (hit[0] or hit[1] or retain) and hooks.on_publish is None and (
+                    not hit[2] or not (props or self.limits.max_message_expiry)):
+                # Nobody receives it and it is not retained: no message to build. If the
+                # topic is recorded, the log gets the record straight from the packet.
+                if hit[2]:
+                    self.persist.store.append_record(
+                        int(time.time() * 1_000_000), qos, False, topic.encode(), session.client_id,
+                        b"", pkt.payload, pid if qos == 2 else 0)
                 if session.v5:
                     reason = C.NO_MATCHING_SUBSCRIBERS
             else:

@@ -53,6 +53,27 @@ if sys.byteorder != "little":  # pragma: no cover - every platform we ship on is
     raise ImportError("wrenmq's log format code assumes a little-endian machine")
 
 
+_prefix_crcs = {}  # (topic, client) -> CRC-32C of topic + client: most records repeat them
+
+
+def _record_crcs(topics, clients, props, payloads):
+    """record_crc of every record, with the topic + client prefix computed once per pair."""
+    cache = _prefix_crcs
+    out = []
+    append = out.append
+    for t, c, r, p in zip(topics, clients, props, payloads):
+        crc = cache.get((t, c))
+        if crc is None:
+            crc = _crc_extend(_crc(t), c) if c else _crc(t)
+            if len(cache) >= 65536:
+                cache.clear()
+            cache[(t, c)] = crc
+        if r:
+            crc = _crc_extend(crc, r)
+        append(_crc_extend(crc, p))
+    return out
+
+
 def record_crc(topic, client, props, payload):
     """CRC-32C of one record's variable fields, in column order."""
     crc = _crc(topic)
@@ -80,7 +101,7 @@ def encode_batch_parts(base, timestamps, flags, topics, clients, props, payloads
     joined bytes; only the per-record CRCs are computed record by record.
     """
     n = len(timestamps)
-    crcs = array("I", [record_crc(t, c, r, p) for t, c, r, p in zip(topics, clients, props, payloads)])
+    crcs = array("I", _record_crcs(topics, clients, props, payloads))
     cols = [
         array("q", timestamps).tobytes(),
         crcs.tobytes(),

@@ -20,7 +20,7 @@ import threading
 import time
 
 from ..mqtt.codec import decode_properties, encode_properties, encode_varint
-from .format import encode_batch_parts
+from .format import Record, encode_batch_parts
 from .log import CommitLog, LogReader
 from .state import META_SET, StateDB
 
@@ -50,36 +50,33 @@ def parse_properties_block(block):
 
 
 class _Epoch:
-    """What one loop turn produced: messages for the log (offsets base..), state operations."""
+    """What one loop turn produced: log records (offsets base..) and state operations.
 
-    __slots__ = ("id", "base", "msgs", "pids", "ops", "durable", "private")
+    A record is a tuple (timestamp us, flags, topic, client id, properties, payload,
+    packet id) with bytes fields, built on the event loop; the writer thread turns the
+    epoch's records into columns with one `zip` and encodes them as one batch.
+    """
+
+    __slots__ = ("id", "base", "recs", "ops", "durable")
 
     def __init__(self, eid, base):
         self.id = eid
         self.base = base
-        self.msgs = []
-        self.pids = []
+        self.recs = []
         self.ops = []
         self.durable = False
-        self.private = None  # indexes of private records, if any
 
-    def encode(self, client_bytes):
-        """The epoch's messages as one log batch (run on the writer thread)."""
-        msgs = self.msgs
-        ts = [int(m.timestamp * 1_000_000) for m in msgs]
-        flags = [m.qos | 4 if m.retain else m.qos for m in msgs]
-        if self.private:
-            for i in self.private:
-                flags[i] |= 8
-        data = encode_batch_parts(
-            self.base, ts,
-            flags,
-            [m.topic_bytes for m in msgs],
-            [client_bytes(m.client_id) for m in msgs],
-            [properties_block(m) if m.properties else _EMPTY for m in msgs],
-            [m.payload for m in msgs],
-            self.pids)
+    def encode(self):
+        """The epoch's records as one log batch (run on the writer thread)."""
+        ts, flags, topics, clients, props, payloads, pids = zip(*self.recs)
+        data = encode_batch_parts(self.base, ts, flags, topics, clients, props, payloads, pids)
         return data, ts[0], max(ts)
+
+    def record(self, i):
+        """Record `i` of the epoch as a format.Record (reads of what is not on disk yet)."""
+        ts, flags, topic, client, props, payload, pid = self.recs[i]
+        return Record(self.base + i, ts, flags & 3, bool(flags & 4), topic.decode(), client.decode(),
+                      props, payload, pid, bool(flags & 8))
 
 
 def node_id_for(data_dir, configured):
@@ -171,36 +168,41 @@ class Store:
         `private`: the topic is not recorded for readers, but a persistent session is
         owed the message, and the log is where owed messages survive a restart.
         """
+        msg.offset = self.append_record(
+            int(msg.timestamp * 1_000_000), msg.qos, msg.retain, msg.topic_bytes, msg.client_id,
+            properties_block(msg) if msg.properties else _EMPTY, msg.payload, packet_id, private)
+        return msg.offset
+
+    def append_record(self, ts_us, qos, retain, topic_b, client_id, props_b, payload, packet_id=0,
+                      private=False):
+        """Append one record from its fields (no Message needed); return its offset."""
         off = self.next_offset
         self.next_offset = off + 1
-        msg.offset = off
         e = self._epoch
-        if not e.msgs:
+        recs = e.recs
+        if not recs:
             if not e.ops and self.on_pending is not None:
                 self.on_pending()
             self._tail.append(e)
-        if private:
-            if e.private is None:
-                e.private = []
-            e.private.append(len(e.msgs))
-        e.msgs.append(msg)
-        e.pids.append(packet_id)
-        if msg.qos:
+        client_b = self._client_bytes.get(client_id)
+        if client_b is None:
+            client_b = self._client_id_bytes(client_id)
+        recs.append((ts_us, (qos | 4 if retain else qos) | (8 if private else 0), topic_b, client_b,
+                     props_b, payload, packet_id))
+        if qos:
             e.durable = True
         return off
 
     def _client_id_bytes(self, cid):
-        b = self._client_bytes.get(cid)
-        if b is None:
-            if len(self._client_bytes) > 100_000:
-                self._client_bytes.clear()
-            b = self._client_bytes[cid] = cid.encode()
+        if len(self._client_bytes) > 100_000:
+            self._client_bytes.clear()
+        b = self._client_bytes[cid] = cid.encode()
         return b
 
     def op(self, statement, params, durable=True):
         """Queue a state change for this epoch; `durable` ones hold output until committed."""
         e = self._epoch
-        if not e.msgs and not e.ops and self.on_pending is not None:
+        if not e.recs and not e.ops and self.on_pending is not None:
             self.on_pending()
         e.ops.append((statement, params))
         if durable:
@@ -209,7 +211,7 @@ class Store:
     @property
     def pending(self):
         e = self._epoch
-        return bool(e.msgs or e.ops)
+        return bool(e.recs or e.ops)
 
     @property
     def must_hold(self):
@@ -223,7 +225,7 @@ class Store:
     def seal(self):
         """Hand the current epoch to the writer; return its id (0 if it was empty)."""
         e = self._epoch
-        if not e.msgs and not e.ops:
+        if not e.recs and not e.ops:
             return 0
         self._last_id = e.id
         self._epoch = _Epoch(e.id + 1, self.next_offset)
@@ -236,7 +238,7 @@ class Store:
         self.written_through = through
         tail = self._tail
         # Keep only epochs not yet readable from disk.
-        while tail and tail[0] is not self._epoch and tail[0].base + len(tail[0].msgs) <= through:
+        while tail and tail[0] is not self._epoch and tail[0].base + len(tail[0].recs) <= through:
             tail.popleft()
         if self.on_durable is not None:
             self.on_durable(eid)
@@ -281,9 +283,9 @@ class Store:
                 through = None
                 ops = []
                 for ep in epochs:
-                    n = len(ep.msgs)
+                    n = len(ep.recs)
                     if n and self.log is not None:
-                        data, first_ts, max_ts = ep.encode(self._client_id_bytes)
+                        data, first_ts, max_ts = ep.encode()
                         self.log.append(data, ep.base, n, first_ts, max_ts)
                         self.appended += n
                         self.bytes_appended += len(data[0]) + len(data[1])
@@ -317,10 +319,10 @@ class Store:
     # --- reading back ------------------------------------------------------------
 
     def read(self, start, limit):
-        """Up to `limit` messages with offset >= start, as (offset, Message|Record) in order.
+        """Up to `limit` records (format.Record) with offset >= start, in order.
 
         Recent offsets come from memory (they may not be on disk yet), older ones from
-        the log files. Returns records for disk reads (the caller builds messages).
+        the log files; private records included (the caller is the broker).
         """
         out = []
         if start >= self.next_offset:
@@ -340,13 +342,14 @@ class Store:
         for ep in list(tail):
             if len(out) >= limit:
                 break
-            n = len(ep.msgs)
+            n = len(ep.recs)
             if ep.base + n <= start:
                 continue
             i = start - ep.base
-            take = ep.msgs[i:i + limit - len(out)]
-            out.extend(take)
-            start += len(take)
+            while i < n and len(out) < limit:
+                out.append(ep.record(i))
+                i += 1
+            start = ep.base + i
         return out
 
     def _disk_reader(self):

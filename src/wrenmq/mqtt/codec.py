@@ -559,31 +559,69 @@ class Decoder:
     MQTTError(0x95) as soon as its header arrives, before its body is buffered.
     """
 
-    __slots__ = ("version", "max_packet_size", "_buf")
+    __slots__ = ("version", "max_packet_size", "_parts", "_have", "_need")
 
     def __init__(self, version=C.MQTT311, max_packet_size=C.MAX_REMAINING_LENGTH + 5):
         self.version = version
         self.max_packet_size = max_packet_size
-        self._buf = b""
+        self._parts = []  # pieces of an incomplete packet (never of a complete one)
+        self._have = 0  # bytes in _parts
+        self._need = 0  # total size of that packet once its fixed header is known
 
     @property
     def buffered(self):
         """Bytes held back waiting for the rest of a packet."""
-        return len(self._buf)
+        return self._have
 
     def feed(self, data):
-        """Return the list of packets completed by `data` (possibly empty)."""
+        """Return the list of packets completed by `data` (possibly empty).
+
+        Bytes are copied only for a packet split across two reads (and then only that
+        packet); everything else is decoded in place.
+        """
         if type(data) is not bytes:
             data = bytes(data)
-        if self._buf:
-            data = self._buf + data
-            self._buf = b""
         out = []
-        pos = 0
+        start = 0
+        parts = self._parts
+        if parts:
+            need = self._need
+            have = self._have
+            if need:
+                if have + len(data) < need:
+                    parts.append(data)
+                    self._have = have + len(data)
+                    return out
+                start = need - have
+                parts.append(data[:start])
+                self._parts = []
+                self._have = self._need = 0
+                self._parse(b"".join(parts), 0, out)
+            else:
+                # The fixed header itself was split: join (the piece before is < 5 bytes).
+                parts.append(data)
+                data = b"".join(parts)
+                self._parts = []
+                self._have = 0
+        pos, need = self._parse(data, start, out)
+        if pos < len(data):
+            rest = data[pos:] if pos else data
+            self._parts = [rest]
+            self._have = len(rest)
+            self._need = need
+        return out
+
+    def _parse(self, data, pos, out):
+        """Decode whole packets from data[pos:] into `out`.
+
+        Returns (position of the first incomplete packet, its total size if its fixed
+        header is complete, else 0).
+        """
         n = len(data)
         version = self.version
         limit = self.max_packet_size
         decoders = _DECODERS
+        need = 0
         while pos < n:
             first = data[pos]
             if pos + 1 >= n:
@@ -617,6 +655,7 @@ class Decoder:
                 raise MQTTError(C.PACKET_TOO_LARGE,
                                 f"packet of {end - pos} bytes exceeds the maximum of {limit}")
             if end > n:
+                need = end - pos
                 break
             ptype = first >> 4
             if ptype == 3:
@@ -627,14 +666,10 @@ class Decoder:
                     raise _malformed("reserved packet type 0")
                 pkt = dec(first & 0x0F, data, body, end, version)
                 if ptype == 1:
-                    version = pkt.version
+                    version = self.version = pkt.version
             out.append(pkt)
             pos = end
-        if pos < n:
-            self._buf = data[pos:] if pos else data
-        if out and version != self.version:
-            self.version = version
-        return out
+        return pos, need
 
 
 def decode(data, version=C.MQTT311):

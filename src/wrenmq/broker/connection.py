@@ -96,17 +96,15 @@ class Connection(asyncio.Protocol):
         if self.state != _OPEN:
             self._before_open(data)
             return
+        if self._bucket is not None:
+            self._metered(data)
+            return
         try:
             packets = self.decoder.feed(data)
         except MQTTError as e:
             self.protocol_error(e)
             return
-        if self._bucket is None:
-            self._dispatch(packets)
-        elif self._backlog is not None:
-            self._backlog.extend(packets)
-        else:
-            self._dispatch_metered(packets)
+        self._dispatch(packets)
 
     def _dispatch(self, packets):
         handlers = self.router.handlers
@@ -123,9 +121,11 @@ class Connection(asyncio.Protocol):
         except MQTTError as e:
             self.protocol_error(e)
 
-    def _dispatch_metered(self, packets):
-        """Dispatch while the client is within publish_rate / publish_byte_rate (token
-        buckets with one second of burst); hold back the rest and stop reading."""
+    def _metered(self, data):
+        """Input of a client under publish_rate / publish_byte_rate (token buckets with one
+        second of burst): decode and dispatch only what its tokens allow; the rest waits
+        (undecoded in the decoder, or decoded in the backlog) while its socket is not read.
+        """
         bucket = self._bucket
         limits = self.broker.config.limits
         now = monotonic()
@@ -137,6 +137,17 @@ class Connection(asyncio.Protocol):
             bucket[0] = min(mrate, bucket[0] + elapsed * mrate)
         if brate:
             bucket[1] = min(brate, bucket[1] + elapsed * brate)
+        packets = self._backlog or []
+        self._backlog = None
+        if data or self.decoder.has_rest:
+            budget = (int(bucket[0]) if mrate else 256) - len(packets)
+            try:
+                packets += self.decoder.feed(data, limit=max(budget, 0))
+            except MQTTError as e:
+                self._dispatch(packets)
+                if not self.closing:
+                    self.protocol_error(e)
+                return
         n = len(packets)
         i = 0
         while i < n:
@@ -149,7 +160,10 @@ class Connection(asyncio.Protocol):
                 bucket[1] -= len(pkt.raw)
             i += 1
         self._dispatch(packets[:i] if i < n else packets)
-        if i == n or self.closing:
+        if self.closing:
+            return
+        if i == n and not self.decoder.has_rest:
+            self._unpause(_P_RATE)
             return
         # Over the limit.
         self.router.stats.rate_limited += 1
@@ -158,20 +172,17 @@ class Connection(asyncio.Protocol):
                      self.session.client_id if self.session else self.address)
             self.close(C.MESSAGE_RATE_TOO_HIGH)
             return
-        self._backlog = list(packets[i:])
+        if i < n:
+            self._backlog = packets[i:]
+            size = min(len(packets[i].raw), brate) if packets[i].TYPE == 3 else 0
+        else:
+            size = 1
         wait = max((1 - bucket[0]) / mrate if mrate else 0.0,
-                   (min(len(packets[i].raw), brate) - bucket[1]) / brate if brate else 0.0)
+                   (size - bucket[1]) / brate if brate else 0.0)
         self._pause(_P_RATE)
-        self.broker.loop.call_later(max(wait, 0.001), self._drain_backlog)
-
-    def _drain_backlog(self):
-        backlog = self._backlog
-        self._backlog = None
-        if self.closing or backlog is None:
-            return
-        self._dispatch_metered(backlog)
-        if self._backlog is None:
-            self._unpause(_P_RATE)
+        # Wake up for a small batch, not for every token (a timer per message would cost
+        # more than the messages) nor for a large one (it would hold up everyone else).
+        self.broker.loop.call_later(max(wait, 0.005), self._metered, b"")
 
     def _pause(self, why):
         if not self._paused and self.transport is not None:

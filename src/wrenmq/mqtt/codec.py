@@ -559,7 +559,7 @@ class Decoder:
     MQTTError(0x95) as soon as its header arrives, before its body is buffered.
     """
 
-    __slots__ = ("version", "max_packet_size", "_parts", "_have", "_need")
+    __slots__ = ("version", "max_packet_size", "_parts", "_have", "_need", "_rest")
 
     def __init__(self, version=C.MQTT311, max_packet_size=C.MAX_REMAINING_LENGTH + 5):
         self.version = version
@@ -567,62 +567,90 @@ class Decoder:
         self._parts = []  # pieces of an incomplete packet (never of a complete one)
         self._have = 0  # bytes in _parts
         self._need = 0  # total size of that packet once its fixed header is known
+        self._rest = None  # (data, pos): bytes not decoded yet because of a `limit`
 
     @property
     def buffered(self):
-        """Bytes held back waiting for the rest of a packet."""
-        return self._have
+        """Bytes held back: an incomplete packet, or packets not decoded yet (`limit`)."""
+        rest = self._rest
+        return self._have + (len(rest[0]) - rest[1] if rest is not None else 0)
 
-    def feed(self, data):
+    @property
+    def has_rest(self):
+        """True if an earlier `limit` left complete packets undecoded."""
+        return self._rest is not None
+
+    def feed(self, data, limit=None):
         """Return the list of packets completed by `data` (possibly empty).
 
-        Bytes are copied only for a packet split across two reads (and then only that
-        packet); everything else is decoded in place.
+        With `limit`, decode at most that many packets and keep the rest of the bytes
+        as they are (a rate-limited client's input waits undecoded); feed b"" later to
+        go on. Bytes are copied only for a packet split across two reads (and then only
+        that packet); everything else is decoded in place.
         """
         if type(data) is not bytes:
             data = bytes(data)
         out = []
         start = 0
-        parts = self._parts
-        if parts:
-            need = self._need
-            have = self._have
-            if need:
-                if have + len(data) < need:
-                    parts.append(data)
-                    self._have = have + len(data)
-                    return out
-                start = need - have
-                parts.append(data[:start])
-                self._parts = []
-                self._have = self._need = 0
-                self._parse(b"".join(parts), 0, out)
+        rest = self._rest
+        if rest is not None:
+            self._rest = None
+            rdata, rpos = rest
+            if data:
+                data = rdata[rpos:] + data
             else:
-                # The fixed header itself was split: join (the piece before is < 5 bytes).
-                parts.append(data)
-                data = b"".join(parts)
-                self._parts = []
-                self._have = 0
-        pos, need = self._parse(data, start, out)
+                data, start = rdata, rpos
+        else:
+            parts = self._parts
+            if parts:
+                need = self._need
+                have = self._have
+                if need:
+                    if have + len(data) < need:
+                        parts.append(data)
+                        self._have = have + len(data)
+                        return out
+                    start = need - have
+                    parts.append(data[:start])
+                    self._parts = []
+                    self._have = self._need = 0
+                    self._parse(b"".join(parts), 0, out, None)
+                else:
+                    # The fixed header itself was split: join (the piece before is < 5 bytes).
+                    parts.append(data)
+                    data = b"".join(parts)
+                    self._parts = []
+                    self._have = 0
+        if limit is not None:
+            limit -= len(out)
+        pos, need = self._parse(data, start, out, limit)
         if pos < len(data):
-            rest = data[pos:] if pos else data
-            self._parts = [rest]
-            self._have = len(rest)
-            self._need = need
+            if need < 0:  # stopped by the limit
+                self._rest = (data, pos)
+            else:
+                rest = data[pos:] if pos else data
+                self._parts = [rest]
+                self._have = len(rest)
+                self._need = need
         return out
 
-    def _parse(self, data, pos, out):
-        """Decode whole packets from data[pos:] into `out`.
+    def _parse(self, data, pos, out, count):
+        """Decode whole packets from data[pos:] into `out` (at most `count` if given).
 
-        Returns (position of the first incomplete packet, its total size if its fixed
-        header is complete, else 0).
+        Returns (position of the first packet not decoded, its total size if it is
+        incomplete and its fixed header is known, 0 if unknown, -1 if `count` stopped).
         """
         n = len(data)
         version = self.version
         limit = self.max_packet_size
         decoders = _DECODERS
         need = 0
+        if count is not None:
+            count += len(out)
         while pos < n:
+            if count is not None and len(out) >= count:
+                need = -1
+                break
             first = data[pos]
             if pos + 1 >= n:
                 break

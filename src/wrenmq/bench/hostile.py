@@ -1,0 +1,119 @@
+"""Hostile load: does one well-behaved pair keep its latency while others attack?
+
+    python -m wrenmq.bench.hostile [--silent 5000] [--flooders 5] [--only wrenmq]
+
+For each broker: measure a publisher -> subscriber pair at a fixed rate (mqload
+`pubsub --rate`), first on a quiet broker, then while (a) thousands of TCP
+connections are open and say nothing and (b) flooders publish at ten times their
+per-client rate limit. Prints p50/p99 quiet vs hostile and their ratio (the target:
+hostile p99 within 2x of quiet p99). wrenmq runs with `[limits] publish_rate` set
+(src/wrenmq/bench/wrenmq-hostile.toml); Mosquitto has no per-client rate limit, so
+its row shows what an unlimited flood does.
+"""
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from .brokers import HOST, Mosquitto, Wrenmq, which
+from .harness import find_mqload, find_wrenmq, raise_nofile, repo_root
+
+RATE_LIMIT = 500  # publish_rate in wrenmq-hostile.toml
+# The well-behaved pair stays under the limit; 4000 samples give a stable p99.
+PAIR = ["pubsub", "--pubs", "1", "--subs", "1", "--topic-mode", "single", "--rate", "400",
+        "--duration", "10", "--size", "64", "--topic-prefix", "pair"]
+
+
+def _pair(mqload, port, pid):
+    cp = subprocess.run([mqload, *PAIR, "--host", HOST, "--port", str(port), "--broker-pid", str(pid),
+                         "--timeout", "60"], capture_output=True, text=True, timeout=120)
+    for line in reversed(cp.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"mqload gave no result: {cp.stderr[-300:]}")
+
+
+def _silent(port, n, hold, opened):
+    socks = []
+    for _ in range(n):
+        try:
+            s = socket.create_connection((HOST, port), timeout=5)
+            socks.append(s)
+        except OSError:
+            break
+    opened.append(len(socks))
+    time.sleep(hold)
+    for s in socks:
+        s.close()
+
+
+def measure(name, broker, mqload, silent, flooders):
+    broker.start()
+    try:
+        quiet = _pair(mqload, broker.port, broker.pid)
+        opened = []
+        t = threading.Thread(target=_silent, args=(broker.port, silent, 18, opened), daemon=True)
+        t.start()
+        while not opened and t.is_alive():
+            time.sleep(0.1)
+        flood = subprocess.Popen(
+            [mqload, "pubsub", "--pubs", str(flooders), "--subs", "1", "--rate", str(10 * RATE_LIMIT),
+             "--duration", "13", "--size", "256", "--topic-prefix", "flood", "--host", HOST,
+             "--port", str(broker.port), "--timeout", "60"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5)  # let the flood reach its rate limit
+        hostile = _pair(mqload, broker.port, broker.pid)
+        flood.wait(60)
+        t.join(30)
+        return {"broker": name, "silent_connections": opened[0] if opened else 0,
+                "flooders": flooders, "flood_rate_per_client": 10 * RATE_LIMIT,
+                "quiet": quiet["latency_us"], "hostile": hostile["latency_us"],
+                "hostile_lost": hostile.get("lost"), "quiet_lost": quiet.get("lost")}
+    finally:
+        broker.stop()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--silent", type=int, default=5000, help="idle connections (default 5000)")
+    p.add_argument("--flooders", type=int, default=5, help="clients publishing at 10x their limit")
+    p.add_argument("--only", choices=["wrenmq", "mosquitto"])
+    p.add_argument("--json", metavar="OUT")
+    a = p.parse_args(argv)
+    root = repo_root()
+    raise_nofile()
+    ns = argparse.Namespace(mqload=None, wrenmq=None)
+    mqload = find_mqload(ns, root)
+    log_dir = root / ".bench" / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    here = Path(__file__).parent
+    results = []
+    if a.only in (None, "wrenmq"):
+        w = Wrenmq(find_wrenmq(ns, root), 18832, log_dir, root, config=str(here / "wrenmq-hostile.toml"))
+        results.append(measure("wrenmq", w, mqload, a.silent, a.flooders))
+    if a.only in (None, "mosquitto") and which("mosquitto"):
+        conf = Path(tempfile.mkdtemp()) / "mosquitto.conf"
+        conf.write_text("listener 18833 127.0.0.1\nallow_anonymous true\nmax_connections -1\n"
+                        "log_dest none\n")
+        m = Mosquitto(which("mosquitto"), conf, log_dir, root)
+        results.append(measure("mosquitto", m, mqload, a.silent, a.flooders))
+    for r in results:
+        q, h = r["quiet"], r["hostile"]
+        r["p99_ratio"] = round(h["p99"] / q["p99"], 2) if q.get("p99") else None
+        print(f"{r['broker']:<10} quiet p50 {q['p50']:.0f} us p99 {q['p99']:.0f} us | hostile "
+              f"({r['silent_connections']} silent, {r['flooders']} x {r['flood_rate_per_client']}/s) "
+              f"p50 {h['p50']:.0f} us p99 {h['p99']:.0f} us, lost {r['hostile_lost']} | p99 ratio "
+              f"{r['p99_ratio']}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

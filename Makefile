@@ -3,8 +3,9 @@
 #
 #   make run   [ARGS="--port 1884"]        start the broker (127.0.0.1:1883 by default)
 #   make test  [PYTEST_ARGS="-k foo -x"]   install test deps, run the suite
-#   make bench [ARGS="--repeat 5"]         full benchmark vs Mosquitto
-#   make bench-quick [ARGS="--only mosquitto"]
+#   make bench [ARGS="--repeat 5"]         benchmark suite vs Mosquitto (~20 min)
+#   make bench-quick                       one pass of the main comparison (< 2 min)
+#   make fuzz  [EXAMPLES=20000]            the fuzz targets, long
 #   make demo  [ARGS="--devices 50"]       broker + simulated fleet + Spark jobs, for a minute
 #   make clean                             remove .venv, .bench and build caches (not data)
 
@@ -38,10 +39,10 @@ BENCH_DEBIAN_PKGS := \
 
 ENSURE_DEB := bash scripts/ensure-debian-packages.sh
 
-.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-deps demo clean
+.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-deps demo fuzz clean
 
 help:
-	@sed -n '4,9p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,10p' Makefile | sed 's/^# \{0,1\}//'
 
 # --- virtualenv --------------------------------------------------------------
 
@@ -87,11 +88,18 @@ bench-deps: $(VENV)/.stamp-install
 	@$(ENSURE_DEB) $(BENCH_DEBIAN_PKGS)
 	bash scripts/build-mqload.sh
 
+# The whole suite: vs Mosquitto (log off), log on, durability, hostile load.
 bench: bench-deps
-	$(PY) -m wrenmq.bench $(ARGS)
+	$(PY) -m wrenmq.bench.suite $(ARGS)
 
 bench-quick: bench-deps
-	$(PY) -m wrenmq.bench --quick $(ARGS)
+	$(PY) -m wrenmq.bench.suite --quick $(ARGS)
+
+# --- fuzz --------------------------------------------------------------------
+
+# The fuzz targets of the test suite with many more examples (make test runs a few hundred).
+fuzz: test-deps
+	WRENMQ_FUZZ_EXAMPLES=$${EXAMPLES:-20000} $(PY) -m pytest -q -s tests/test_fuzz.py $(PYTEST_ARGS)
 
 # --- demo --------------------------------------------------------------------
 

@@ -75,12 +75,18 @@ _BASE: list[Scenario] = [
              note="10000 idle connections held 5 s, fresh broker"),
 ]
 
+# The durability row (the seed workload at QoS 1); run by the suite with fsync on and off.
+EXTRA: list[Scenario] = [
+    Scenario("q1", "pub", tuple("--clients 25 --count 1000 --size 1024 --qos 1 --inflight 100 --marker".split()),
+             (ROUTED,), note="25 publishers x 1000 x 1 KiB, QoS 1, inflight 100 (durability row)"),
+]
+
 
 def _v5(s: Scenario) -> Scenario:
     return Scenario(s.id + "-v5", s.tool, s.args, s.metrics, s.fresh, s.note + " (MQTT 5)", ("--mqtt5",))
 
 
-SCENARIOS: dict[str, Scenario] = {s.id: s for s in _BASE}
+SCENARIOS: dict[str, Scenario] = {s.id: s for s in _BASE + EXTRA}
 SCENARIOS.update({v.id: v for v in map(_v5, _BASE)})
 
 # Full run: every row, 3.1.1 then 5.0.

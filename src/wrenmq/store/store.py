@@ -68,15 +68,23 @@ class _Epoch:
 
     def encode(self):
         """The epoch's records as one log batch (run on the writer thread)."""
-        ts, flags, topics, clients, props, payloads, pids = zip(*self.recs)
-        data = encode_batch_parts(self.base, ts, flags, topics, clients, props, payloads, pids)
-        return data, ts[0], max(ts)
+        return encode_records(self.base, self.recs)
 
     def record(self, i):
         """Record `i` of the epoch as a format.Record (reads of what is not on disk yet)."""
         ts, flags, topic, client, props, payload, pid = self.recs[i]
         return Record(self.base + i, ts, flags & 3, bool(flags & 4), topic.decode(), client.decode(),
                       props, payload, pid, bool(flags & 8))
+
+
+def encode_records(base, recs):
+    """Record tuples (offsets base..) as one log batch: (parts, first timestamp, max timestamp)."""
+    ts, flags, topics, clients, props, payloads, pids = zip(*recs)
+    data = encode_batch_parts(base, ts, flags, topics, clients, props, payloads, pids)
+    return data, ts[0], max(ts)
+
+
+_BATCH_RECORDS = 8192  # records per batch at most when the writer merges epochs
 
 
 def node_id_for(data_dir, configured):
@@ -253,14 +261,18 @@ class Store:
     def _writer(self):
         q = self._queue
         last_sync = time.monotonic()
+        last_report = last_sync
         dirty = False
         stop = False
+        unreported = None  # (epoch id, log end) written but not yet told to the loop
         while not stop:
+            timeout = None
+            if self.fsync == "interval" and dirty:
+                timeout = max(0.0, self.fsync_interval - (time.monotonic() - last_sync))
+            if unreported is not None:
+                timeout = 0.02 if timeout is None else min(timeout, 0.02)
             try:
-                if self.fsync == "interval" and dirty:
-                    e = q.get(timeout=max(0.0, self.fsync_interval - (time.monotonic() - last_sync)))
-                else:
-                    e = q.get()
+                e = q.get(timeout=timeout)
             except queue.Empty:
                 e = False
             epochs = []
@@ -282,23 +294,30 @@ class Store:
             try:
                 through = None
                 ops = []
+                # Consecutive epochs are contiguous in offsets: write them as few batches.
+                base = None
+                recs = []
                 for ep in epochs:
-                    n = len(ep.recs)
-                    if n and self.log is not None:
-                        data, first_ts, max_ts = ep.encode()
-                        self.log.append(data, ep.base, n, first_ts, max_ts)
-                        self.appended += n
-                        self.bytes_appended += len(data[0]) + len(data[1])
-                        dirty = True
-                    through = ep.base + n
+                    if ep.recs:
+                        if base is None:
+                            base = ep.base
+                        recs.extend(ep.recs)
+                        if len(recs) >= _BATCH_RECORDS:
+                            self._append(base, recs)
+                            base = None
+                            recs = []
+                            dirty = True
+                    through = ep.base + len(ep.recs)
                     ops.extend(ep.ops)
+                if recs:
+                    self._append(base, recs)
+                    dirty = True
                 if through is not None:
                     # Recovery rescans the log from here for what SQLite may not have seen.
                     ops.append((META_SET, ("log_through", str(through))))
                 now = time.monotonic()
-                if dirty and self.log is not None and (
-                        self.fsync == "always" or stop or
-                        (self.fsync == "interval" and now - last_sync >= self.fsync_interval)):
+                if dirty and (self.fsync == "always" or stop or
+                              (self.fsync == "interval" and now - last_sync >= self.fsync_interval)):
                     self.log.sync()
                     last_sync = now
                     dirty = False
@@ -310,11 +329,25 @@ class Store:
                 if self.loop is not None:
                     self.loop.call_soon_threadsafe(self._failed, exc)
                 return
-            if epochs and self.loop is not None:
+            if epochs:
+                unreported = (epochs[-1].id, through)
+            # Tell the loop at once when it may be holding output for these epochs;
+            # otherwise (fsync interval/never) at most every 20 ms: a wake-up of the loop
+            # per loop turn would cost more than the writing.
+            if unreported is not None and self.loop is not None and (
+                    self.hold_output or stop or time.monotonic() - last_report >= 0.02):
                 try:
-                    self.loop.call_soon_threadsafe(self._written, epochs[-1].id, through)
+                    self.loop.call_soon_threadsafe(self._written, *unreported)
                 except RuntimeError:  # loop closed during shutdown
                     pass
+                unreported = None
+                last_report = time.monotonic()
+
+    def _append(self, base, recs):
+        data, first_ts, max_ts = encode_records(base, recs)
+        self.log.append(data, base, len(recs), first_ts, max_ts)
+        self.appended += len(recs)
+        self.bytes_appended += len(data[0]) + len(data[1])
 
     # --- reading back ------------------------------------------------------------
 

@@ -38,6 +38,9 @@ def test_persistent_session_keeps_subscriptions_and_queues_messages(broker, clie
         publish(p, f"ps/{i}", b"%d" % i, q)
         sent.append((f"ps/{i}", b"%d" % i, q))
     publish(p, "ps/qos0", b"not queued", 0)
+    # The broker handles one connection's packets in order: once this PUBACK is back, the
+    # QoS 0 message above was routed (while the session was offline), not after s2 connects.
+    publish(p, "elsewhere/barrier", b"", 1)
 
     s2 = persistent(clients, broker.port, version, cid)
     assert session_present(s2)

@@ -869,9 +869,10 @@ def test_embedded_publish_reaches_subscribers(broker, clients):
     assert broker.call(broker.broker.publish, "nobody/here", "str payload") is False
 
 
-def test_async_with_broker():
+def test_async_with_broker(tmp_path):
     async def main():
-        cfg = load(text='[[listener]]\nbind = "127.0.0.1"\nport = 0\n[sys]\ninterval = 0\n')
+        cfg = load(text='[[listener]]\nbind = "127.0.0.1"\nport = 0\n[sys]\ninterval = 0\n'
+                        f'[storage]\ndata_dir = "{tmp_path}"\n')
         async with Broker(cfg) as b:
             assert b.running and b.port
             reader, writer = await asyncio.open_connection("127.0.0.1", b.port)

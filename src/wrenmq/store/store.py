@@ -176,10 +176,24 @@ class Store:
         `private`: the topic is not recorded for readers, but a persistent session is
         owed the message, and the log is where owed messages survive a restart.
         """
-        msg.offset = self.append_record(
-            int(msg.timestamp * 1_000_000), msg.qos, msg.retain, msg.topic_bytes, msg.client_id,
-            properties_block(msg) if msg.properties else _EMPTY, msg.payload, packet_id, private)
-        return msg.offset
+        off = msg.offset = self.next_offset
+        self.next_offset = off + 1
+        e = self._epoch
+        recs = e.recs
+        if not recs:
+            if not e.ops and self.on_pending is not None:
+                self.on_pending()
+            self._tail.append(e)
+        qos = msg.qos
+        client_b = self._client_bytes.get(msg.client_id)
+        if client_b is None:
+            client_b = self._client_id_bytes(msg.client_id)
+        recs.append((int(msg.timestamp * 1_000_000), (qos | 4 if msg.retain else qos) | (8 if private else 0),
+                     msg.topic_bytes, client_b, properties_block(msg) if msg.properties else _EMPTY,
+                     msg.payload, packet_id))
+        if qos:
+            e.durable = True
+        return off
 
     def append_record(self, ts_us, qos, retain, topic_b, client_id, props_b, payload, packet_id=0,
                       private=False):

@@ -558,6 +558,40 @@ def test_qos2_inbound_exactly_once(durable, pc, raw_client, version, how):
     assert logged == [b"A", b"B", b"C"], f"commit log holds {logged}"
 
 
+@VERSIONS
+def test_qos2_inbound_id_from_the_log_survives_a_second_crash(durable, raw_client, version):
+    """A QoS 2 PUBLISH whose log record was written but whose id never reached the
+    database (kill -9 between the two): recovery finds the id in the log. It must
+    also write it to the database, or a second crash after the next commit forgets
+    it and the client's resend is taken as a new message (found by test_crash)."""
+    b = durable()  # fsync = "always" by default
+    pcid = uid("q2twice")
+    c, _ = raw_session(raw_client, b.port, version, pcid)
+    c.send(Publish("q2t/a", b"once", qos=2, packet_id=9))
+    assert raw_next(c, C.PUBREC).packet_id == 9
+    b.shutdown("kill")
+    c.close()
+    # Roll the database back to before that commit, as a crash between log and database would.
+    db = sqlite3.connect(b.data / "state.db")
+    with db:
+        assert db.execute("DELETE FROM qos2_in WHERE client_id=?", (pcid,)).rowcount == 1
+        db.execute("UPDATE meta SET value='0' WHERE key='log_through'")
+    db.close()
+
+    b.start()
+    barrier(b, version)  # a later commit moves log_through past the record
+    b.restart("kill")
+
+    c2, ack = raw_session(raw_client, b.port, version, pcid)
+    assert ack.session_present
+    c2.send(Publish("q2t/a", b"once", qos=2, dup=True, packet_id=9))
+    assert raw_next(c2, C.PUBREC).packet_id == 9
+    c2.send(Pubrel(9))
+    assert raw_next(c2, C.PUBCOMP).packet_id == 9
+    logged = [r.payload for r in b.records(["q2t/#"])]
+    assert logged == [b"once"], f"the resend was accepted as a new message: {logged}"
+
+
 # --- timers across downtime ------------------------------------------------------------------
 
 

@@ -293,8 +293,11 @@ class Persistence:
             for rec in store.read(max(log_through, start), end - log_through):  # incl. private
                 if rec.qos == 2 and rec.packet_id:
                     s = sessions.get(rec.client_id)
-                    if s is not None:
+                    if s is not None and rec.packet_id not in s.restored_qos2:
                         s.add_restored_qos2(rec.packet_id)
+                        # Into the database too: the next commit moves log_through past
+                        # this record, and a second crash must still know the id.
+                        store.op(S.QOS2_IN_ADD, (rec.client_id, rec.packet_id))
         # Messages owed by packet id or by a shared group's choice: resume them.
         for cid, offset, pid, qos, st, shared in state["outgoing"]:
             s = sessions.get(cid)

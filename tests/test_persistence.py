@@ -124,15 +124,19 @@ def drop(b, client, cid):
 
 
 def barrier(b, version=4):
-    """Everything the broker did before this returns is on disk (see module docstring;
-    it takes the commit log being on, so that the PUBACK waits for a group commit)."""
+    """Everything the broker did before this returns is on disk (see module docstring).
+
+    A persistent session's SUBSCRIBE is a durable state change, so its SUBACK waits for
+    a group commit whether or not the commit log is on; the QoS 1 PUBLISH does the same
+    through the log when it is on."""
     c = RawClient(b.port, version)
     try:
-        c.send(_connect(uid("barrier"), version))
+        c.send(_connect(uid("barrier"), version, clean=False, expiry=60))
         assert c.recv().TYPE == C.CONNACK
-        c.send(Publish("barrier/x", b"", qos=1, packet_id=1))
+        assert raw_subscribe(c, "barrier/sync", 1) == [1]
+        c.send(Publish("barrier/x", b"", qos=1, packet_id=2))
         ack = raw_next(c, C.PUBACK)
-        assert ack is not None and ack.packet_id == 1
+        assert ack is not None and ack.packet_id == 2
     finally:
         c.close()
 

@@ -13,6 +13,7 @@ import socket
 
 from ..config import Config
 from ..mqtt import constants as C
+from ..store.store import SEAL_DELAY
 from .connection import Connection
 from .listeners import TLSReloadHook, open_listener
 from .hooks import HookChain
@@ -54,6 +55,7 @@ class Broker:
         self.addresses = []  # (host, port) actually bound, per listener
         self._dirty = []
         self._flush_scheduled = False
+        self._seal_scheduled = False
         self._timer = None
         self._timer_at = None
         self._sys = SysTopics(self)
@@ -184,12 +186,25 @@ class Broker:
         store = self.store
         if store is not None:
             hold = store.must_hold
-            eid = store.seal() if store.pending else 0
+            eid = 0
+            if store.pending:
+                if store.seal_due:
+                    eid = store.seal()
+                elif not self._seal_scheduled:
+                    # Nothing waits for this epoch: let a few turns share one hand-over.
+                    self._seal_scheduled = True
+                    self.loop.call_later(SEAL_DELAY, self._seal_later)
             if hold or (self._held and dirty):
                 self._hold(eid or store.last_sealed, dirty)
                 return
         for conn in dirty:
             conn.flush()
+
+    def _seal_later(self):
+        self._seal_scheduled = False
+        store = self.store
+        if store is not None and store.pending:
+            store.seal()
 
     def _hold(self, eid, conns):
         group = []

@@ -105,19 +105,17 @@ def encode_batch_parts(base, timestamps, flags, topics, clients, props, payloads
     """
     n = len(timestamps)
     crcs = array("I", _record_crcs(topics, clients, props, payloads))
+    # Offsets columns; the last offset of each is that column's data size.
+    offsets = [array("I", accumulate(map(len, column), initial=0)) if any(column) else None
+               for column in (topics, clients, props, payloads)]
     cols = [
         array("q", timestamps).tobytes(),
         crcs.tobytes(),
-        array("I", accumulate(map(len, topics), initial=0)).tobytes(),
-        array("I", accumulate(map(len, clients), initial=0)).tobytes(),
-        array("I", accumulate(map(len, props), initial=0)).tobytes(),
-        array("I", accumulate(map(len, payloads), initial=0)).tobytes(),
+        *(o.tobytes() if o is not None else bytes(4 * (n + 1)) for o in offsets),
         array("H", packet_ids).tobytes() if packet_ids is not None else bytes(2 * n),
         bytes(flags),
     ]
-    size = HEADER_SIZE + sum(map(len, cols))
-    for column in (topics, clients, props, payloads):
-        size += sum(map(len, column))
+    size = HEADER_SIZE + sum(map(len, cols)) + sum(o[-1] for o in offsets if o is not None)
     pad = -size % 8
     length = size + pad - 8
     if length + 8 > MAX_BATCH_BYTES:

@@ -85,6 +85,8 @@ def encode_records(base, recs):
 
 
 _BATCH_RECORDS = 8192  # records per batch at most when the writer merges epochs
+_SEAL_RECORDS = 2048  # an epoch this large goes to the writer without waiting
+SEAL_DELAY = 0.02  # seconds a QoS 0-only epoch may keep growing before it is written
 
 
 def node_id_for(data_dir, configured):
@@ -234,6 +236,19 @@ class Store:
     def pending(self):
         e = self._epoch
         return bool(e.recs or e.ops)
+
+    @property
+    def seal_due(self):
+        """True if the current epoch should go to the writer at the end of this loop turn.
+
+        An epoch with acknowledged messages or durable state changes goes at once (under
+        every fsync mode a kill -9 must not lose them once acknowledged), and so does a
+        large one. Otherwise (QoS 0 only) it keeps growing for up to SEAL_DELAY: each
+        hand-over wakes the writer thread, and each wake-up costs the loop the GIL
+        (a quarter of the broker's CPU at 100k QoS 0 msg/s, see docs/BENCHMARKS.md).
+        """
+        e = self._epoch
+        return e.durable or len(e.recs) >= _SEAL_RECORDS
 
     @property
     def must_hold(self):

@@ -3,7 +3,8 @@
     python -m wrenmq.bench.suite [--quick] [--repeat N] [--markdown FILE]
 
 1. wrenmq (commit log off) vs Mosquitto: every mqload row, MQTT 3.1.1 and 5.0.
-2. The commit log on (fsync every 100 ms): the QoS 0 rows again, as a ratio to (1).
+2. The commit log on (fsync every 100 ms): the QoS 0 rows again, as a ratio to (1);
+   then what the log costs in broker CPU per message at a fixed rate (logcost.py).
 3. Durability: the seed workload at QoS 1 with fsync "always" and "never", and Mosquitto
    (which cannot make that promise).
 4. Hostile load: a well-behaved pair's latency while thousands of connections say
@@ -21,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import harness, hostile
+from . import harness, hostile, logcost
 
 HERE = Path(__file__).parent
 LOG_ROWS = ["a1", "a2", "b0", "c", "d"]
@@ -72,6 +73,16 @@ def main(argv=None):
         base = off.get(key)
         if v and base:
             lines.append(f"  {key[0]:<4} {key[1]:<22} off {base:>10,.0f}  on {v:>10,.0f}  on/off {v / base:.2f}x")
+
+    print("\n### 2b. commit log cost in broker CPU at a fixed rate\n", flush=True)
+    cjson = tempfile.mktemp(suffix=".json")
+    rcs.append(logcost.main(["--repeat", str(a.repeat), "--json", cjson]))
+    if os.path.exists(cjson):
+        lines.append("\nCommit log cost (broker CPU per delivered message, QoS 0, 1 -> 1, fixed rate):")
+        for r in json.loads(Path(cjson).read_text()):
+            us = r["us_per_msg"]
+            lines.append(f"  {r['row']:<6} at {r['rate']:>7,}/s  off {us['off']:.2f} us  on {us['on']:.2f} us  "
+                         f"off/on {r['off_on_ratio']:.2f}x")
 
     rc, dur_doc = _harness(rep + ["--scenarios", "q1", "--wrenmq-config", str(HERE / "wrenmq-durable.toml")],
                            "3a. durability: QoS 1, fsync always, vs Mosquitto")

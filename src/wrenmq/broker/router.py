@@ -531,7 +531,7 @@ class Router:
                 # topic is recorded, the log gets the record straight from the packet.
                 if hit[2]:
                     self.persist.store.append_record(
-                        int(time.time() * 1_000_000), qos, False, topic.encode(), session.client_id,
+                        int(time.time() * 1_000_000), qos, False, hit[2], session.client_id,
                         b"", pkt.payload, pid if qos == 2 else 0)
                 if session.v5:
                     reason = C.NO_MATCHING_SUBSCRIBERS
@@ -742,7 +742,7 @@ class Router:
             hit = self._match(topic)
         persist = self.persist
         if hit[2]:
-            persist.store.append(msg, packet_id)
+            persist.store.append(msg, packet_id, hit[2])
         if msg.retain:
             if msg.payload:
                 self.retained.set(msg.topic, msg)
@@ -770,7 +770,9 @@ class Router:
         normal = tuple((s, q, rap, tuple(sorted(ids)), nl) for s, (q, rap, ids, nl) in agg.items())
         groups = tuple(g for values in self.shared.match(topic) for g in values.values())
         persist = self.persist
-        logged = persist is not None and persist.logged(topic)
+        # The third field: the topic's bytes if the log records it (else None), so a
+        # logged message does not encode its topic again.
+        logged = topic.encode() if persist is not None and persist.logged(topic) else None
         result = (normal, groups, logged)
         if len(self._matches) > 100_000:
             self._matches.clear()

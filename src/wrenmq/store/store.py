@@ -170,13 +170,14 @@ class Store:
 
     # --- the event loop side -----------------------------------------------------
 
-    def append(self, msg, packet_id=0, private=False):
+    def append(self, msg, packet_id=0, topic_b=None, private=False):
         """Give `msg` the next offset and put it in the current epoch.
 
         `packet_id` is the publisher's id of a QoS 2 message: recovery uses it to
         recognise a resend of a message that reached the log just before a crash.
         `private`: the topic is not recorded for readers, but a persistent session is
         owed the message, and the log is where owed messages survive a restart.
+        `topic_b`: the topic's UTF-8 bytes, if the caller has them.
         """
         off = msg.offset = self.next_offset
         self.next_offset = off + 1
@@ -191,7 +192,7 @@ class Store:
         if client_b is None:
             client_b = self._client_id_bytes(msg.client_id)
         recs.append((int(msg.timestamp * 1_000_000), (qos | 4 if msg.retain else qos) | (8 if private else 0),
-                     msg.topic_bytes, client_b, properties_block(msg) if msg.properties else _EMPTY,
+                     topic_b or msg.topic_bytes, client_b, properties_block(msg) if msg.properties else _EMPTY,
                      msg.payload, packet_id))
         if qos:
             e.durable = True

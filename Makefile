@@ -39,6 +39,13 @@ BENCH_DEBIAN_PKGS := \
 
 ENSURE_DEB := bash scripts/ensure-debian-packages.sh
 
+# What the install needs to compile the log's batch encoder (setup.py): a C compiler
+# and Python's headers. Without them the install still works (pure-Python encoder),
+# so `make run` only tries; `make test` requires them (a test checks the build).
+PY_INCLUDE := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['include'])" 2>/dev/null)
+BUILD_DEBIAN_PKGS := gcc:gcc $(PY_INCLUDE)/Python.h:python3-dev
+COMPILED_SOURCES := setup.py src/wrenmq/store/_encode.py
+
 .PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-deps demo fuzz clean
 
 help:
@@ -49,12 +56,15 @@ help:
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Re-install only when pyproject.toml changed (stamp files live in .venv).
-$(VENV)/.stamp-install: pyproject.toml | $(PY)
+# Stamp files live in .venv.
+# Re-install also when the compiled source changed, so the extension is never stale.
+$(VENV)/.stamp-install: pyproject.toml $(COMPILED_SOURCES) | $(PY)
+	@$(ENSURE_DEB) $(BUILD_DEBIAN_PKGS) || echo "note: no C compiler; the log encoder stays pure Python"
 	$(PIP) install -e .
 	touch $@
 
-$(VENV)/.stamp-test: pyproject.toml | $(PY)
+$(VENV)/.stamp-test: pyproject.toml $(COMPILED_SOURCES) | $(PY)
+	@$(ENSURE_DEB) $(BUILD_DEBIAN_PKGS)
 	$(PIP) install -e '.[test]'
 	touch $@ $(VENV)/.stamp-install
 
@@ -114,5 +124,6 @@ demo: $(VENV)/.stamp-pipeline
 # --- clean -------------------------------------------------------------------
 
 clean:
-	rm -rf $(VENV) .bench build dist .pytest_cache .hypothesis src/*.egg-info
+	rm -rf $(VENV) .bench build dist .pytest_cache .hypothesis src/*.egg-info src/wrenmq/store/_encode.c
 	find src tests -name __pycache__ -type d -prune -exec rm -rf {} + 2>/dev/null || true
+	find src -name "*.so" -delete

@@ -5,8 +5,8 @@
 #   scripts/ensure-debian-packages.sh CMD:PKG [CMD:PKG ...]
 #
 # CMD is looked up on PATH and in the sbin directories (mosquitto lives in
-# /usr/sbin, which is not on every user's PATH); an absolute CMD is tested as a
-# path. A bare PKG means CMD = PKG. apt-get runs only if something is missing:
+# /usr/sbin, which is not on every user's PATH); an absolute CMD is a file that
+# must exist (e.g. a header). A bare PKG means CMD = PKG. apt-get runs only if something is missing:
 # `apt-get update` once, then one `apt-get install` for all missing packages.
 # sudo is used only when not root. Services are not started by the install
 # (a temporary policy-rc.d is put in place if the machine has none).
@@ -15,7 +15,7 @@ set -euo pipefail
 have() {
     local cmd=$1
     if [[ $cmd == /* ]]; then
-        [[ -x $cmd ]]
+        [[ -e $cmd ]]
         return
     fi
     command -v "$cmd" >/dev/null 2>&1 && return 0

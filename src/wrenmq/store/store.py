@@ -24,6 +24,14 @@ from .format import Record, encode_batch_parts
 from .log import CommitLog, LogReader
 from .state import META_SET, StateDB
 
+try:  # the compiled batch encoder (setup.py builds it when a C compiler is there)
+    from ._encode import COMPILED as _ENCODE_COMPILED
+    from ._encode import encode_records as _compiled_encode
+    if not _ENCODE_COMPILED:  # the source itself, interpreted: slower than format's
+        _compiled_encode = None
+except ImportError:  # not built, and Cython (which the source imports) not installed
+    _compiled_encode = None
+
 log = logging.getLogger("wrenmq.store")
 
 _EMPTY = b""
@@ -78,7 +86,13 @@ class _Epoch:
 
 
 def encode_records(base, recs):
-    """Record tuples (offsets base..) as one log batch: (parts, first timestamp, max timestamp)."""
+    """Record tuples (offsets base..) as one log batch: (parts, first timestamp, max timestamp).
+
+    The compiled loop of `_encode` when the install built it, else the column-wise
+    reference encoder of `format` (the same bytes).
+    """
+    if _compiled_encode is not None:
+        return _compiled_encode(base, recs)
     ts, flags, topics, clients, props, payloads, pids = zip(*recs)
     data = encode_batch_parts(base, ts, flags, topics, clients, props, payloads, pids)
     return data, ts[0], max(ts)

@@ -1,0 +1,20 @@
+"""Compiles the writer's batch encoder (src/wrenmq/store/_encode.py) with Cython.
+
+Everything else is in pyproject.toml. The extension is optional: without a C compiler
+the install still succeeds and wrenmq uses the pure-Python encoder (slower, same bytes).
+"""
+
+from setuptools import Extension, setup
+
+try:
+    from Cython.Build import cythonize
+except ImportError:  # building without Cython: pure Python only
+    ext_modules = []
+else:
+    ext_modules = cythonize(
+        [Extension("wrenmq.store._encode", ["src/wrenmq/store/_encode.py"], optional=True)],
+        compiler_directives={"language_level": 3},
+        quiet=True,
+    )
+
+setup(ext_modules=ext_modules)

@@ -1,0 +1,117 @@
+"""The writer thread's batch encoder, as one loop over the records, written to be compiled.
+
+`format.encode_batch_parts` builds a batch with C-level `map`s over columns; that is
+the fastest plain CPython gets, and still about 7,000 machine instructions per
+record, paid by the writer thread while it holds the GIL the event loop needs. This
+module is the same encoder as one explicit loop with C types in Cython's pure-Python
+syntax. The package's normal install compiles it (setup.py; optional, so an install
+without a C compiler still works), which brings a record to a few hundred
+instructions. Uncompiled it is a slow but exact copy: the tests run this source both
+ways and require the bytes of `format.encode_batch_parts`, which stays the reference
+for the format. `store.encode_records` uses this module only when COMPILED.
+"""
+
+from array import array
+
+import cython
+from google_crc32c import extend as _crc_extend
+from google_crc32c import value as _crc
+
+from .format import _PREFIX, _TAIL, MAGIC, MAX_BATCH_BYTES
+
+COMPILED = cython.compiled
+
+_prefix_crcs = {}  # (topic, client) -> CRC-32C of topic + client
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def encode_records(base, recs: list):
+    """Record tuples (timestamp, flags, topic, client, props, payload, packet id) for
+    offsets base.. as one batch: ((12-byte prefix, rest), first timestamp, max timestamp)."""
+    n: cython.Py_ssize_t = len(recs)
+    i: cython.Py_ssize_t
+    topic_end: cython.Py_ssize_t = 0
+    client_end: cython.Py_ssize_t = 0
+    props_end: cython.Py_ssize_t = 0
+    payload_end: cython.Py_ssize_t = 0
+    ts: cython.longlong
+    max_ts: cython.longlong
+    rec: tuple
+    topic: bytes
+    client: bytes
+    props: bytes
+    payload: bytes
+
+    ts_col = array("q", bytes(8 * n))
+    crc_col = array("I", bytes(4 * n))
+    topic_off = array("I", bytes(4 * (n + 1)))
+    client_off = array("I", bytes(4 * (n + 1)))
+    props_off = array("I", bytes(4 * (n + 1)))
+    payload_off = array("I", bytes(4 * (n + 1)))
+    pid_col = array("H", bytes(2 * n))
+    flag_col = array("B", bytes(n))
+    ts_v: cython.longlong[:] = ts_col
+    crc_v: cython.uint[:] = crc_col
+    topic_v: cython.uint[:] = topic_off
+    client_v: cython.uint[:] = client_off
+    props_v: cython.uint[:] = props_off
+    payload_v: cython.uint[:] = payload_off
+    pid_v: cython.ushort[:] = pid_col
+    flag_v: cython.uchar[:] = flag_col
+
+    topics = [None] * n
+    clients = [None] * n
+    propss = [None] * n
+    payloads = [None] * n
+    cache = _prefix_crcs
+    if len(cache) > 65536:
+        cache.clear()
+    max_ts = recs[0][0]
+    for i in range(n):
+        rec = recs[i]
+        ts = rec[0]
+        topic = rec[2]
+        client = rec[3]
+        props = rec[4]
+        payload = rec[5]
+        ts_v[i] = ts
+        if ts > max_ts:
+            max_ts = ts
+        flag_v[i] = rec[1]
+        pid_v[i] = rec[6]
+        key = (topic, client)
+        crc = cache.get(key)
+        if crc is None:
+            crc = _crc_extend(_crc(topic), client) if len(client) else _crc(topic)
+            cache[key] = crc
+        if len(props):
+            crc = _crc_extend(crc, props)
+        crc_v[i] = _crc_extend(crc, payload)
+        topic_end += len(topic)
+        client_end += len(client)
+        props_end += len(props)
+        payload_end += len(payload)
+        if topic_end + client_end + props_end + payload_end > MAX_BATCH_BYTES:
+            raise ValueError("batch too large")
+        topic_v[i + 1] = topic_end
+        client_v[i + 1] = client_end
+        props_v[i + 1] = props_end
+        payload_v[i + 1] = payload_end
+        topics[i] = topic
+        clients[i] = client
+        propss[i] = props
+        payloads[i] = payload
+
+    first_ts = recs[0][0]
+    size: cython.Py_ssize_t = (48 + 8 * n + 4 * n + 16 * (n + 1) + 2 * n + n
+                               + topic_end + client_end + props_end + payload_end)
+    pad: cython.Py_ssize_t = -size % 8
+    length: cython.Py_ssize_t = size + pad - 8
+    if length + 8 > MAX_BATCH_BYTES:
+        raise ValueError("batch too large")
+    tail = b"".join([_TAIL.pack(base, n, first_ts, max_ts, 0, 0), ts_col, crc_col, topic_off,
+                     client_off, props_off, payload_off, pid_col, flag_col,
+                     *topics, *clients, *propss, *payloads, b"\0" * pad])
+    prefix = _PREFIX.pack(MAGIC, length) + _crc(tail).to_bytes(4, "little")
+    return (prefix, tail), first_ts, max_ts

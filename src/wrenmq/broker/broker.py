@@ -203,7 +203,15 @@ class Broker:
     def _seal_later(self):
         self._seal_scheduled = False
         store = self.store
-        if store is not None and store.pending:
+        if store is None or not store.pending:
+            return
+        if store.seal_due:
+            # Since the timer was set, the epoch got something output may have to wait
+            # for (a PUBREC queued in this very loop turn, say): only _flush seals such an
+            # epoch, because only it holds that output back. Sealing it here would
+            # let _flush see an empty epoch and send the PUBREC before the commit.
+            self._schedule_flush()
+        else:
             store.seal()
 
     def _hold(self, eid, conns):

@@ -128,6 +128,17 @@ def find_wrenmq(a: argparse.Namespace, root: Path) -> str | None:
     return which("wrenmq")
 
 
+def bench_setup() -> tuple[Path, str | None, str | None, Path]:
+    """For the standalone bench scripts: (repo root, mqload, wrenmq executable, log dir),
+    with the open-files limit raised."""
+    root = repo_root()
+    raise_nofile()
+    ns = argparse.Namespace(mqload=None, wrenmq=None)
+    log_dir = root / ".bench" / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return root, find_mqload(ns, root), find_wrenmq(ns, root), log_dir
+
+
 def run_mqload(mqload: str, sid: str, broker: Broker, rep: int, timeout: float) -> Run:
     sc = SCENARIOS[sid]
     argv = [mqload, sc.tool, "--host", HOST, "--port", str(broker.port), *sc.args, *sc.extra,

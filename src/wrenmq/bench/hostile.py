@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from .brokers import HOST, Mosquitto, Wrenmq, which
-from .harness import find_mqload, find_wrenmq, raise_nofile, repo_root
+from .harness import bench_setup
 
 RATE_LIMIT = 500  # publish_rate in wrenmq-hostile.toml
 # The well-behaved pair stays under the limit; 4000 samples give a stable p99.
@@ -108,16 +108,11 @@ def main(argv=None):
     p.add_argument("--only", choices=["wrenmq", "mosquitto"])
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
-    root = repo_root()
-    raise_nofile()
-    ns = argparse.Namespace(mqload=None, wrenmq=None)
-    mqload = find_mqload(ns, root)
-    log_dir = root / ".bench" / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    root, mqload, wrenmq, log_dir = bench_setup()
     here = Path(__file__).parent
     results = []
     if a.only in (None, "wrenmq"):
-        w = Wrenmq(find_wrenmq(ns, root), 18832, log_dir, root, config=str(here / "wrenmq-hostile.toml"))
+        w = Wrenmq(wrenmq, 18832, log_dir, root, config=str(here / "wrenmq-hostile.toml"))
         results.append(measure("wrenmq", w, mqload, a.silent, a.flooders, a.repeat))
     if a.only in (None, "mosquitto") and which("mosquitto"):
         conf = Path(tempfile.mkdtemp()) / "mosquitto.conf"

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from .brokers import HOST, Wrenmq
-from .harness import find_mqload, find_wrenmq, raise_nofile, repo_root
+from .harness import bench_setup
 
 HERE = Path(__file__).parent
 ROWS = [  # (label, payload bytes, messages per second)
@@ -63,19 +63,14 @@ def main(argv=None):
     p.add_argument("--duration", type=float, default=4.0, help="seconds per run")
     p.add_argument("--json", metavar="OUT")
     a = p.parse_args(argv)
-    root = repo_root()
-    raise_nofile()
-    ns = argparse.Namespace(mqload=None, wrenmq=None)
-    mqload = find_mqload(ns, root)
-    log_dir = root / ".bench" / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    root, mqload, wrenmq, log_dir = bench_setup()
     results = []
     print(f"{'row':<8} {'rate':>8} {'log off us/msg':>15} {'log on us/msg':>14} {'off / on':>9}  lost")
     for label, size, rate in ROWS:
         runs = {name: [] for name, _ in CONFIGS}
         for _ in range(a.repeat):
             for name, conf in CONFIGS:
-                broker = Wrenmq(find_wrenmq(ns, root), 18834, log_dir, root, config=str(HERE / conf))
+                broker = Wrenmq(wrenmq, 18834, log_dir, root, config=str(HERE / conf))
                 runs[name].append(run_once(mqload, broker, size, rate, a.duration))
         med = {name: statistics.median(r["us_per_msg"] for r in rs) for name, rs in runs.items()}
         lost = sum(r["lost"] for rs in runs.values() for r in rs)

@@ -17,11 +17,9 @@ import cython
 from google_crc32c import extend as _crc_extend
 from google_crc32c import value as _crc
 
-from .format import _PREFIX, _TAIL, MAGIC, MAX_BATCH_BYTES
+from .format import _PREFIX, _TAIL, MAGIC, MAX_BATCH_BYTES, _prefix_crcs
 
 COMPILED = cython.compiled
-
-_prefix_crcs = {}  # (topic, client) -> CRC-32C of topic + client
 
 
 @cython.boundscheck(False)
@@ -67,7 +65,7 @@ def encode_records(base, recs: list):
     cache = _prefix_crcs
     if len(cache) > 65536:
         cache.clear()
-    max_ts = recs[0][0]
+    first_ts = max_ts = recs[0][0]
     for i in range(n):
         rec = recs[i]
         ts = rec[0]
@@ -103,7 +101,6 @@ def encode_records(base, recs: list):
         propss[i] = props
         payloads[i] = payload
 
-    first_ts = recs[0][0]
     size: cython.Py_ssize_t = (48 + 8 * n + 4 * n + 16 * (n + 1) + 2 * n + n
                                + topic_end + client_end + props_end + payload_end)
     pad: cython.Py_ssize_t = -size % 8

@@ -25,10 +25,9 @@ from .log import CommitLog, LogReader
 from .state import META_SET, StateDB
 
 try:  # the compiled batch encoder (setup.py builds it when a C compiler is there)
-    from ._encode import COMPILED as _ENCODE_COMPILED
-    from ._encode import encode_records as _compiled_encode
-    if not _ENCODE_COMPILED:  # the source itself, interpreted: slower than format's
-        _compiled_encode = None
+    from . import _encode
+    # Interpreted, the source is slower than format's column-wise encoder: not used then.
+    _compiled_encode = _encode.encode_records if _encode.COMPILED else None
 except ImportError:  # not built, and Cython (which the source imports) not installed
     _compiled_encode = None
 
@@ -73,10 +72,6 @@ class _Epoch:
         self.recs = []
         self.ops = []
         self.durable = False
-
-    def encode(self):
-        """The epoch's records as one log batch (run on the writer thread)."""
-        return encode_records(self.base, self.recs)
 
     def record(self, i):
         """Record `i` of the epoch as a format.Record (reads of what is not on disk yet)."""
@@ -192,6 +187,8 @@ class Store:
         `private`: the topic is not recorded for readers, but a persistent session is
         owed the message, and the log is where owed messages survive a restart.
         `topic_b`: the topic's UTF-8 bytes, if the caller has them.
+        The same steps as append_record, written out: this runs once per logged
+        message, and a call to append_record would be one more Python call each time.
         """
         off = msg.offset = self.next_offset
         self.next_offset = off + 1

@@ -30,7 +30,8 @@ class Connection(asyncio.Protocol):
         "broker", "router", "listener", "listener_name", "transport", "decoder", "session",
         "version", "_out", "congested", "closing", "address", "keepalive", "_timer", "_last_rx",
         "_pending", "clean_disconnect", "state", "_auth_method", "_connect", "_reason",
-        "close_pending", "_paused", "_bucket", "_backlog",
+        "close_pending", "_paused", "_bucket", "_backlog", "_backed", "_room", "_high",
+        "_stopped",
     )
 
     def __init__(self, broker, listener):
@@ -59,6 +60,16 @@ class Connection(asyncio.Protocol):
         self._paused = 0
         self._bucket = None  # [message tokens, byte tokens, last refill] when rates are limited
         self._backlog = None  # packets held back by the rate limit
+        # Flow control per delivery: `_backed` bytes were queued by send() this loop turn;
+        # `_room` is what write_buffer_high left free when the transport was last written.
+        # Going past it marks the connection congested at once (QoS 0 to it is dropped,
+        # QoS 1/2 wait in its queue), so one turn cannot pile a burst onto a client that
+        # does not read; the transport's pause_writing() keeps it congested after that.
+        high = broker.config.limits.write_buffer_high
+        self._high = high
+        self._room = high
+        self._backed = 0
+        self._stopped = False  # the transport called pause_writing
 
     # --- asyncio callbacks -------------------------------------------------
 
@@ -206,11 +217,19 @@ class Connection(asyncio.Protocol):
         return False
 
     def pause_writing(self):
+        self._stopped = True
         self.congested = True
         if not self.closing:
             self._pause(_P_WRITE)
 
     def resume_writing(self):
+        self._stopped = False
+        t = self.transport
+        if t is not None:
+            self._room = self._high - t.get_write_buffer_size()
+        self._uncongest()
+
+    def _uncongest(self):
         self.congested = False
         if not self.closing:
             self._unpause(_P_WRITE)
@@ -247,6 +266,10 @@ class Connection(asyncio.Protocol):
                 return
             self.broker.mark_dirty(self)
         out.append(data)
+        self._backed += len(data)
+        if self._backed > self._room and not self.congested:
+            self.congested = True
+            self._pause(_P_WRITE)
 
     def take_output(self):
         """Detach what is queued (the broker holds it until the store says it is durable)."""
@@ -255,6 +278,7 @@ class Connection(asyncio.Protocol):
             return b""
         data = out[0] if len(out) == 1 else b"".join(out)
         out.clear()
+        self._backed = 0
         return data
 
     def flush(self):
@@ -275,6 +299,9 @@ class Connection(asyncio.Protocol):
             return
         t.write(data)
         self.router.stats.bytes_sent += len(data)
+        self._room = self._high - t.get_write_buffer_size()
+        if self.congested and not self._stopped:
+            self._uncongest()
 
     def close(self, reason=None):
         """Close after sending what is queued; 5.0 clients get DISCONNECT(reason) first."""

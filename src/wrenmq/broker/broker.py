@@ -14,6 +14,8 @@ import socket
 from ..config import Config
 from ..mqtt import constants as C
 from ..store.store import SEAL_DELAY
+
+THROTTLE_TICK = 0.005  # seconds between wake-ups of clients over their publish rate
 from .connection import Connection
 from .listeners import TLSReloadHook, open_listener
 from .hooks import HookChain
@@ -56,6 +58,8 @@ class Broker:
         self._dirty = []
         self._flush_scheduled = False
         self._seal_scheduled = False
+        self._throttled = []  # connections over their publish rate, woken by one tick
+        self._throttle_handle = None
         self._timer = None
         self._timer_at = None
         self._sys = SysTopics(self)
@@ -199,6 +203,25 @@ class Broker:
                 return
         for conn in dirty:
             conn.flush()
+
+    def throttle(self, conn):
+        """`conn` is over its publish rate: give it its tokens' worth again at the next tick.
+
+        One broker-wide tick every THROTTLE_TICK for all throttled clients, not a timer
+        each: their input is decoded in one loop turn and leaves in one write per
+        subscriber, so a flood of throttled clients costs a few wake-ups a tick.
+        """
+        self._throttled.append(conn)
+        if self._throttle_handle is None:
+            self._throttle_handle = self.loop.call_later(THROTTLE_TICK, self._throttle_tick)
+
+    def _throttle_tick(self):
+        self._throttle_handle = None
+        conns = self._throttled
+        self._throttled = []
+        for conn in conns:
+            if not conn.closing:
+                conn._metered(b"")
 
     def _seal_later(self):
         self._seal_scheduled = False

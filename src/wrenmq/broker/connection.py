@@ -185,15 +185,11 @@ class Connection(asyncio.Protocol):
             return
         if i < n:
             self._backlog = packets[i:]
-            size = min(len(packets[i].raw), brate) if packets[i].TYPE == 3 else 0
-        else:
-            size = 1
-        wait = max((1 - bucket[0]) / mrate if mrate else 0.0,
-                   (size - bucket[1]) / brate if brate else 0.0)
         self._pause(_P_RATE)
-        # Wake up for a small batch, not for every token (a timer per message would cost
-        # more than the messages) nor for a large one (it would hold up everyone else).
-        self.broker.loop.call_later(max(wait, 0.005), self._metered, b"")
+        # Woken by the broker's throttle tick for a small batch, not for every token (a
+        # timer per message would cost more than the messages) nor for a large one (it
+        # would hold up everyone else).
+        self.broker.throttle(self)
 
     def _pause(self, why):
         if not self._paused and self.transport is not None:

@@ -248,7 +248,8 @@ class Connection(asyncio.Protocol):
                 why = "client disconnected"
             else:
                 why = f"connection lost ({exc})" if exc else "connection closed by client"
-            log.info("client %s disconnected from %s: %s", session.client_id, self.address, why)
+            if log.isEnabledFor(logging.INFO):
+                log.info("client %s disconnected from %s: %s", session.client_id, self.address, why)
             self.router.connection_lost(session, True, why)
         self._out.clear()
 

@@ -269,9 +269,10 @@ class Router:
         if self.persist is not None:
             self.persist.session_started(session, pkt.clean_start)
         conn.send(encode(Connack(present, 0, props), pkt.version))
-        log.info("client %s connected from %s (v%s, clean=%s, keepalive=%s, session present=%s)",
-                 cid, conn.address, {3: "3.1", 4: "3.1.1", 5: "5.0"}[pkt.version],
-                 int(pkt.clean_start), keepalive, int(present))
+        if log.isEnabledFor(logging.INFO):
+            log.info("client %s connected from %s (v%s, clean=%s, keepalive=%s, session present=%s)",
+                     cid, conn.address, {3: "3.1", 4: "3.1.1", 5: "5.0"}[pkt.version],
+                     int(pkt.clean_start), keepalive, int(present))
         if present:
             self._resume(session)
         self.hooks.on_connect(session)

@@ -62,9 +62,10 @@ class Connection(asyncio.Protocol):
         self._backlog = None  # packets held back by the rate limit
         # Flow control per delivery: `_backed` bytes were queued by send() this loop turn;
         # `_room` is what write_buffer_high left free when the transport was last written.
-        # Going past it marks the connection congested at once (QoS 0 to it is dropped,
-        # QoS 1/2 wait in its queue), so one turn cannot pile a burst onto a client that
-        # does not read; the transport's pause_writing() keeps it congested after that.
+        # Going past it writes the turn's output at once (_overflow), and if the transport
+        # is then over the limit the connection is congested (QoS 0 to it is dropped,
+        # QoS 1/2 wait in its queue): one turn cannot pile a burst onto a client that
+        # does not read. The transport's pause_writing() keeps it congested after that.
         high = broker.config.limits.write_buffer_high
         self._high = high
         self._room = high
@@ -265,8 +266,19 @@ class Connection(asyncio.Protocol):
         out.append(data)
         self._backed += len(data)
         if self._backed > self._room and not self.congested:
-            self.congested = True
-            self._pause(_P_WRITE)
+            self._overflow()
+
+    def _overflow(self):
+        """This turn's output outgrew the room write_buffer_high left: hand it to the
+        transport now (the kernel takes what it can) and see what is left buffered. Over
+        the limit, or when output must wait for the store, the connection is congested."""
+        if not self.broker.holding():
+            self.write_now(self.take_output())
+            if self._room >= 0 or self._stopped:
+                return
+            self.broker.mark_dirty(self)  # a transport that did not pause: look again at the turn's end
+        self.congested = True
+        self._pause(_P_WRITE)
 
     def take_output(self):
         """Detach what is queued (the broker holds it until the store says it is durable)."""
@@ -285,6 +297,9 @@ class Connection(asyncio.Protocol):
             if self.close_pending:
                 self.close_pending = False
                 self.write_now(None)
+        elif self.congested and not self._stopped and self.transport is not None:
+            self._room = self._high - self.transport.get_write_buffer_size()
+            self._uncongest()
 
     def write_now(self, data):
         """Write bytes (or, for None, close the transport) right away."""

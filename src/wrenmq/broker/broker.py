@@ -14,8 +14,6 @@ import socket
 from ..config import Config
 from ..mqtt import constants as C
 from ..store.store import SEAL_DELAY
-
-THROTTLE_TICK = 0.005  # seconds between wake-ups of clients over their publish rate
 from .connection import Connection
 from .listeners import TLSReloadHook, open_listener
 from .hooks import HookChain
@@ -23,6 +21,7 @@ from .persistence import Persistence
 from .router import Router
 from .sys import SysTopics
 
+THROTTLE_TICK = 0.005  # seconds between wake-ups of clients over their publish rate
 log = logging.getLogger("wrenmq.broker")
 
 

@@ -221,10 +221,15 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self):
         self._stopped = False
+        self._recheck()
+
+    def _recheck(self):
+        """Measure the room the transport leaves and, unless it paused us, stop being congested."""
         t = self.transport
         if t is not None:
             self._room = self._high - t.get_write_buffer_size()
-        self._uncongest()
+        if self.congested and not self._stopped:
+            self._uncongest()
 
     def _uncongest(self):
         self.congested = False
@@ -297,9 +302,8 @@ class Connection(asyncio.Protocol):
             if self.close_pending:
                 self.close_pending = False
                 self.write_now(None)
-        elif self.congested and not self._stopped and self.transport is not None:
-            self._room = self._high - self.transport.get_write_buffer_size()
-            self._uncongest()
+        elif self.congested:
+            self._recheck()
 
     def write_now(self, data):
         """Write bytes (or, for None, close the transport) right away."""
@@ -311,9 +315,7 @@ class Connection(asyncio.Protocol):
             return
         t.write(data)
         self.router.stats.bytes_sent += len(data)
-        self._room = self._high - t.get_write_buffer_size()
-        if self.congested and not self._stopped:
-            self._uncongest()
+        self._recheck()
 
     def close(self, reason=None):
         """Close after sending what is queued; 5.0 clients get DISCONNECT(reason) first."""

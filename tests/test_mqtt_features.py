@@ -456,6 +456,28 @@ def test_keepalive_timeout_disconnects_silent_client(broker, raw_client, version
     assert 1.0 <= time.monotonic() - t0 <= 3.0
 
 
+def test_keepalive_longer_than_connect_timeout_still_enforced(make_broker, raw_client):
+    """Keepalive checks of a client whose 1.5 x keepalive outlasts the connect timeout
+    start from the connect-timeout check (Broker.expect_connect), not a timer of their own:
+    the hand-over must keep both the idle client's timeout and an active client alive."""
+    b = make_broker("[limits]\nconnect_timeout = 1\n")
+    idle, ack = raw_connect(raw_client, b.port, 4, keepalive=2)
+    busy, ack2 = raw_connect(raw_client, b.port, 4, keepalive=2)
+    assert ack.reason_code == 0 and ack2.reason_code == 0
+    t0 = time.monotonic()
+    for _ in range(5):  # 2.5 s: past the connect timeout, not yet 1.5 x keepalive
+        time.sleep(0.5)
+        busy.send(Pingreq())
+        assert busy.recv(2).TYPE == C.PINGRESP
+    assert not idle.closed(0.1)
+    assert idle.closed(3)
+    assert 2.9 <= time.monotonic() - t0 <= 5.0
+    for _ in range(3):
+        busy.send(Pingreq())
+        assert busy.recv(2).TYPE == C.PINGRESP
+        time.sleep(0.5)
+
+
 def test_keepalive_activity_keeps_connection(broker, raw_client):
     c, ack = raw_connect(raw_client, broker.port, 4, keepalive=1)
     for _ in range(4):

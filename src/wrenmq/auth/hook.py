@@ -41,12 +41,11 @@ longer allow are dropped.
 
 import asyncio
 import concurrent.futures
-import inspect
 import logging
 import os
 import time
 
-from ..broker.hooks import Hook
+from ..broker.hooks import Hook, awaitable
 from ..config import ConfigError
 from ..mqtt import constants as C
 from .acl import READ, WRITE, Acl, AclError
@@ -152,7 +151,7 @@ class FileAuth(Hook):
         funcs = self._others()
         for i, f in enumerate(funcs):
             r = f(client, connect)
-            if inspect.isawaitable(r):
+            if awaitable(r):
                 return self._ask_others_async(r, funcs[i + 1:], client, connect)
             if r is not None:
                 return r
@@ -165,7 +164,7 @@ class FileAuth(Hook):
             return r
         for f in funcs:
             r = f(client, connect)
-            if inspect.isawaitable(r):
+            if awaitable(r):
                 r = await r
             if r is not None:
                 return r
@@ -184,7 +183,7 @@ class FileAuth(Hook):
         if getattr(client, "cert_identity", None) is not None:
             return True  # verified client certificate, CN as user name (use_identity_as_username)
         r = self._ask_others(client, connect)
-        if inspect.isawaitable(r):
+        if awaitable(r):
             return self._then_policy(r, client, connect)
         return r if r is not None else self._policy(client, connect)
 
@@ -245,7 +244,7 @@ class _PasswordMixin:
                 return await self._refuse_after_delay(
                     started, client, "no password" if connect.password is None else "wrong password")
         r = self._ask_others(client, connect)
-        if inspect.isawaitable(r):
+        if awaitable(r):
             r = await r
         if r is not None:
             return r

@@ -10,6 +10,8 @@ import collections
 import gc
 import logging
 import socket
+import weakref
+from time import monotonic
 
 from ..config import Config
 from ..mqtt import constants as C
@@ -22,6 +24,7 @@ from .router import Router
 from .sys import SysTopics
 
 THROTTLE_TICK = 0.005  # seconds between wake-ups of clients over their publish rate
+DEADLINE_TICK = 0.25  # connect timeouts and keepalives are checked this often
 log = logging.getLogger("wrenmq.broker")
 
 
@@ -59,6 +62,11 @@ class Broker:
         self._seal_scheduled = False
         self._throttled = []  # connections over their publish rate, woken by one tick
         self._throttle_handle = None
+        self._arrivals = collections.deque()  # (connect deadline, weakref to connection)
+        self._connect_timeout = self.config.limits.connect_timeout
+        self._deadlines = {}  # tick number -> connections to check at that tick (watch())
+        self._swept = int(monotonic() / DEADLINE_TICK)  # last tick number checked
+        self._sweep_handle = None
         self._timer = None
         self._timer_at = None
         self._sys = SysTopics(self)
@@ -123,7 +131,7 @@ class Broker:
         self.running = False
         for server in self._servers:
             server.close()
-        for h in (self._sys_handle, self._timer, self._checkpoint_handle):
+        for h in (self._sys_handle, self._timer, self._checkpoint_handle, self._sweep_handle):
             if h is not None:
                 h.cancel()
         for conn in list(self.connections):
@@ -221,6 +229,59 @@ class Broker:
         for conn in conns:
             if not conn.closing:
                 conn._metered(b"")
+
+    def expect_connect(self, conn):
+        """A new connection: have `conn.deadline(now)` called once its connect timeout is up.
+
+        Every connection gets the same timeout, so arrivals wait in one FIFO (weakly
+        held, nothing to cancel): a connect costs an append, not a loop timer. A client
+        still connected then, with no keepalive check of its own yet, moves to `watch`.
+        """
+        self._arrivals.append((monotonic() + self._connect_timeout, weakref.ref(conn)))
+        if self._sweep_handle is None and self.loop is not None:
+            self._sweep_handle = self.loop.call_later(DEADLINE_TICK, self._sweep)
+
+    def watch(self, conn, at):
+        """Call `conn.deadline(now)` within DEADLINE_TICK after monotonic time `at`.
+
+        Keepalives share one coarse wheel instead of a loop timer per connection:
+        idle clients only need checking a few times a second. Returns the tick to give
+        `unwatch`.
+        """
+        tick = max(int(at / DEADLINE_TICK) + 1, self._swept + 1)
+        due = self._deadlines.get(tick)
+        if due is None:
+            due = self._deadlines[tick] = set()
+        due.add(conn)
+        if self._sweep_handle is None and self.loop is not None:
+            self._sweep_handle = self.loop.call_later(DEADLINE_TICK, self._sweep)
+        return tick
+
+    def unwatch(self, conn, tick):
+        due = self._deadlines.get(tick)
+        if due is not None:
+            due.discard(conn)
+
+    def _sweep(self):
+        now = monotonic()
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] <= now:
+            conn = arrivals.popleft()[1]()
+            if conn is not None and conn._watch is None:
+                conn.deadline(now)
+        last = int(now / DEADLINE_TICK)
+        first = self._swept + 1
+        self._swept = last
+        deadlines = self._deadlines
+        for tick in range(first, last + 1):
+            due = deadlines.pop(tick, None)
+            if due:
+                for conn in due:
+                    conn.deadline(now)
+        if deadlines or arrivals:
+            self._sweep_handle = self.loop.call_later(DEADLINE_TICK, self._sweep)
+        else:
+            self._sweep_handle = None
 
     def _seal_later(self):
         self._seal_scheduled = False

@@ -21,6 +21,9 @@ log = logging.getLogger("wrenmq.connection")
 
 # Connection states.
 _NEW, _AUTH, _OPEN, _CLOSED = range(4)
+
+_TLS_HANDSHAKE = 0x16  # first byte of a TLS record carrying a handshake (ClientHello)
+_HTTP_METHODS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"OPTI")
 # Why reading is paused (a bit each; reading resumes when none is left).
 _P_WRITE, _P_AUTH, _P_RATE, _P_CLOSE = 1, 2, 4, 8
 
@@ -28,17 +31,17 @@ _P_WRITE, _P_AUTH, _P_RATE, _P_CLOSE = 1, 2, 4, 8
 class Connection(asyncio.Protocol):
     __slots__ = (
         "broker", "router", "listener", "listener_name", "transport", "decoder", "session",
-        "version", "_out", "congested", "closing", "address", "keepalive", "_timer", "_last_rx",
+        "version", "_out", "congested", "closing", "address", "keepalive", "_watch", "_last_rx",
         "_pending", "clean_disconnect", "state", "_auth_method", "_connect", "_reason",
         "close_pending", "_paused", "_bucket", "_backlog", "_backed", "_room", "_high",
-        "_stopped",
+        "_stopped", "_sniff", "__weakref__",
     )
 
-    def __init__(self, broker, listener):
+    def __init__(self, broker, listener, name=None):
         self.broker = broker
         self.router = broker.router
         self.listener = listener
-        self.listener_name = listener.name or f"{listener.bind}:{listener.port}"
+        self.listener_name = name or listener.name or f"{listener.bind}:{listener.port}"
         self.transport = None
         self.decoder = Decoder(max_packet_size=broker.config.limits.max_packet_size)
         self.session = None
@@ -48,7 +51,7 @@ class Connection(asyncio.Protocol):
         self.closing = False
         self.address = "?"
         self.keepalive = 0
-        self._timer = None
+        self._watch = None  # tick of broker.watch() that will call deadline()
         self._last_rx = 0.0
         self._pending = None  # data that arrived while CONNECT was being authenticated
         self.clean_disconnect = False
@@ -71,6 +74,9 @@ class Connection(asyncio.Protocol):
         self._room = high
         self._backed = 0
         self._stopped = False  # the transport called pause_writing
+        # A plain TCP listener looks at a stream's first bytes when they are not an MQTT
+        # CONNECT: a TLS ClientHello or an HTTP request gets a log line that says so.
+        self._sniff = listener.type == "mqtt" and not listener.tls
 
     # --- asyncio callbacks -------------------------------------------------
 
@@ -98,7 +104,7 @@ class Connection(asyncio.Protocol):
         if limits.publish_rate or limits.publish_byte_rate:
             self._bucket = [limits.publish_rate, limits.publish_byte_rate, monotonic()]
         transport.set_write_buffer_limits(high=limits.write_buffer_high)
-        self._timer = broker.loop.call_later(limits.connect_timeout, self._connect_timeout)
+        broker.expect_connect(self)
 
     def data_received(self, data):
         if self.closing:
@@ -241,9 +247,9 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc):
         self.closing = True
         self.state = _CLOSED
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._watch is not None:
+            self.broker.unwatch(self, self._watch)
+            self._watch = None
         self.broker.connections.discard(self)
         session = self.session
         if session is not None:
@@ -331,16 +337,16 @@ class Connection(asyncio.Protocol):
             self.close_pending = True
             self._pause(_P_CLOSE)
             self.closing = True
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            if self._watch is not None:
+                self.broker.unwatch(self, self._watch)
+                self._watch = None
             self.broker.mark_dirty(self)
             return
         self.flush()
         self.closing = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._watch is not None:
+            self.broker.unwatch(self, self._watch)
+            self._watch = None
         if self.transport is not None:
             self.transport.close()
 
@@ -370,15 +376,23 @@ class Connection(asyncio.Protocol):
                 # Authentication in progress: keep the bytes; reading is paused anyway.
                 self._pending = data if self._pending is None else self._pending + data
             return
+        sniff = self._sniff
+        if sniff:
+            self._sniff = False  # only the stream's first bytes say what protocol it is
         try:
             packets = self.decoder.feed(data)
         except MQTTError as e:
-            self.protocol_error(e)
+            if not (sniff and self._foreign(data)):
+                self.protocol_error(e)
             return
         if not packets:
+            if sniff:
+                self._foreign(data)
             return
         first = packets[0]
         if first.TYPE != C.CONNECT:
+            if sniff and self._foreign(data):
+                return
             log.info("closing %s: first packet is %s, not CONNECT", self.address,
                      C.PACKET_NAMES.get(first.TYPE))
             self.close()
@@ -387,11 +401,28 @@ class Connection(asyncio.Protocol):
         rest = packets[1:]
         self._connect = first
         self.state = _AUTH
-        self._pause(_P_AUTH)
         if rest:
             # Already decoded: re-encode is not possible cheaply, so keep the packets.
             self._pending = rest
         self._authenticate(first)
+
+    def _foreign(self, data):
+        """Close a plain connection that speaks TLS or HTTP, saying so; True if it did.
+
+        Checked only when the first bytes are not a CONNECT (the decoder failed, waits
+        for more, or found another packet), so a normal connect pays nothing for it.
+        """
+        if data[0] == _TLS_HANDSHAKE:
+            log.warning("%s sent a TLS ClientHello to plain MQTT listener %s; closing (connect "
+                        "without TLS, or use a listener with tls = true)", self.address, self.listener_name)
+        elif data[:4] in _HTTP_METHODS:
+            log.warning("%s sent an HTTP request to MQTT listener %s; closing (a WebSocket client "
+                        "needs a type = \"ws\" listener)", self.address, self.listener_name)
+        else:
+            return False
+        self.closing = True
+        self.transport.abort()
+        return True
 
     def _client_info(self, pkt):
         return ClientInfo(pkt.client_id, pkt.username, self.address, pkt.version, self.listener_name)
@@ -405,9 +436,11 @@ class Connection(asyncio.Protocol):
                 self.refuse(pkt.version, C.BAD_AUTHENTICATION_METHOD)
                 return
             self._auth_method = method
+            self._pause(_P_AUTH)  # until the exchange is over (a plain answer needs no pause)
             self.broker.spawn(self._enhanced_auth(hook, pkt, method, pkt.properties.get("authentication_data"), 0))
             return
         if hooks.auth_async:
+            self._pause(_P_AUTH)
             self.broker.spawn(self._authenticate_async(pkt))
         else:
             try:
@@ -490,9 +523,9 @@ class Connection(asyncio.Protocol):
         if result is not None and result is not True:
             self.refuse(pkt.version, int(result))
             return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._watch is not None:
+            self.broker.unwatch(self, self._watch)
+            self._watch = None
         session = self.router.connect(self, pkt, pkt.username, auth_props)
         if session is None:
             return
@@ -501,9 +534,12 @@ class Connection(asyncio.Protocol):
         if self._auth_method is None:
             self._connect = None  # kept only for re-authentication
         self.decoder.version = pkt.version
-        self._last_rx = monotonic()
+        now = self._last_rx = monotonic()
         if self.keepalive:
-            self._timer = self.broker.loop.call_later(self.keepalive * 1.5, self._check_keepalive)
+            limit = self.keepalive * 1.5
+            if limit < self.broker.config.limits.connect_timeout:
+                # Sooner than the connect-timeout check, which otherwise starts it.
+                self._watch = self.broker.watch(self, now + limit)
         pending = self._pending
         self._pending = None
         self._unpause(_P_AUTH)
@@ -536,26 +572,24 @@ class Connection(asyncio.Protocol):
 
     # --- timers ------------------------------------------------------------
 
-    def _connect_timeout(self):
-        self._timer = None
+    def deadline(self, now):
+        """Called by the broker's wheel (Broker.watch): connect timeout, then keepalive."""
+        self._watch = None
         if self.closing:
             return
-        if self.state == _NEW:
+        state = self.state
+        if state == _NEW:
             log.info("closing %s: no CONNECT within the connect timeout", self.address)
             self.close()
-        elif self.state == _AUTH:
+        elif state == _AUTH:
             log.info("closing %s: authentication not finished within the connect timeout", self.address)
             self.refuse(self.version, C.NOT_AUTHORIZED)
-
-    def _check_keepalive(self):
-        self._timer = None
-        if self.closing:
-            return
-        limit = self.keepalive * 1.5
-        idle = monotonic() - self._last_rx
-        if idle >= limit:
-            log.info("client %s: keepalive timeout after %.1fs idle",
-                     self.session.client_id if self.session else self.address, idle)
-            self.close(C.KEEP_ALIVE_TIMEOUT)
-        else:
-            self._timer = self.broker.loop.call_later(limit - idle, self._check_keepalive)
+        elif self.keepalive:
+            limit = self.keepalive * 1.5
+            idle = now - self._last_rx
+            if idle >= limit:
+                log.info("client %s: keepalive timeout after %.1fs idle",
+                         self.session.client_id if self.session else self.address, idle)
+                self.close(C.KEEP_ALIVE_TIMEOUT)
+            else:
+                self._watch = self.broker.watch(self, self._last_rx + limit)

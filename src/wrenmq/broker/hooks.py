@@ -17,6 +17,14 @@ import inspect
 import logging
 
 
+_PLAIN_ANSWERS = frozenset({bool, int, type(None)})
+
+
+def awaitable(r):
+    """`inspect.isawaitable` without its ABC check for the plain answers hooks give."""
+    return r.__class__ not in _PLAIN_ANSWERS and inspect.isawaitable(r)
+
+
 class ClientInfo:
     """Who is connecting, for `authenticate` (a `Session` has the same attributes)."""
 
@@ -155,7 +163,7 @@ class HookChain:
     async def authenticate_async(self, client, connect):
         for f in self._auth:
             r = f(client, connect)
-            if inspect.isawaitable(r):
+            if awaitable(r):
                 r = await r
             if r is not None:
                 return r

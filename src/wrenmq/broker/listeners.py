@@ -3,10 +3,12 @@
 One `Listener` per `[[listener]]` table. Every kind ends in the same `Connection`
 protocol; what differs is what sits in front of it:
 
-- plain TCP (`type = "mqtt"`): a `_PlainSniffer` looks at the first bytes and steps
-  aside. A TLS ClientHello (first byte 0x16) or an HTTP request on a plain MQTT port
-  gets a clear log line and the connection is closed, instead of a confusing
-  "protocol error" (or a client waiting for a handshake that never comes).
+- plain TCP (`type = "mqtt"`): nothing; the `Connection` looks at the first bytes when
+  they are not a CONNECT. A TLS ClientHello (first byte 0x16) or an HTTP request on a
+  plain MQTT port gets a clear log line and the connection is closed, instead of a
+  confusing "protocol error" (or a client waiting for a handshake that never comes).
+  Plain WebSocket listeners keep a `_PlainSniffer` in front of websockets for the same
+  ClientHello check.
 - TLS (`tls = true`): the socket is accepted plain and a `_TLSAcceptor` runs the
   handshake with `loop.start_tls()`. That way the handshake's outcome is ours to see:
   with `create_server(ssl=...)` both asyncio and uvloop drop handshake errors
@@ -36,16 +38,13 @@ import urllib.parse
 import weakref
 
 from ..mqtt import constants as C
-from .connection import Connection
+from .connection import _HTTP_METHODS, _TLS_HANDSHAKE, Connection
 from .hooks import ClientInfo, Hook
 
 log = logging.getLogger("wrenmq.listeners")
 
 DEFAULT_WS_PATH = "/mqtt"
 WS_SUBPROTOCOLS = ("mqtt", "mqttv3.1")
-
-_TLS_HANDSHAKE = 0x16  # first byte of a TLS record carrying a handshake (ClientHello)
-_HTTP_METHODS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"OPTI")
 
 # OpenSSL reasons for "what arrived is not TLS at all" (plain MQTT, HTTP, ...).
 _NOT_TLS = {"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "HTTPS_PROXY_REQUEST", "UNKNOWN_PROTOCOL",
@@ -136,8 +135,8 @@ class CertConnection(Connection):
 
     __slots__ = ("cert_identity",)
 
-    def __init__(self, broker, listener):
-        super().__init__(broker, listener)
+    def __init__(self, broker, listener, name=None):
+        super().__init__(broker, listener, name)
         self.cert_identity = None
 
     def _peercert(self):
@@ -178,7 +177,7 @@ class _Wrapper(asyncio.Protocol):
 
 
 class _PlainSniffer(_Wrapper):
-    """Look at the first bytes on a plain listener, then get out of the way."""
+    """Look at the first bytes on a plain WebSocket listener, then get out of the way."""
 
     def connection_made(self, transport):
         self.transport = transport
@@ -190,11 +189,6 @@ class _PlainSniffer(_Wrapper):
         if data[0] == _TLS_HANDSHAKE:
             log.warning("%s sent a TLS ClientHello to plain %s listener %s; closing (connect without "
                         "TLS, or use a listener with tls = true)", _peer(t), lst.kind, lst.label)
-            t.abort()
-            return
-        if lst.cfg.type == "mqtt" and data[:4] in _HTTP_METHODS:
-            log.warning("%s sent an HTTP request to MQTT listener %s; closing (a WebSocket client "
-                        "needs a type = \"ws\" listener)", _peer(t), lst.label)
             t.abort()
             return
         inner = self.inner
@@ -619,6 +613,7 @@ class Listener:
         self.ssl_context = None
         self._unix_id = None
         self._ws_opening = weakref.WeakSet()  # websockets connections, for close()
+        self._conn_name = cfg.name or f"{cfg.bind}:{cfg.port}"  # Connection.listener_name
 
     @property
     def label(self):
@@ -643,11 +638,15 @@ class Listener:
     def _connection(self):
         cfg = self.cfg
         if cfg.tls and cfg.cafile:
-            return CertConnection(self.broker, self.cfg)
-        return Connection(self.broker, self.cfg)
+            return CertConnection(self.broker, self.cfg, self._conn_name)
+        return Connection(self.broker, self.cfg, self._conn_name)
 
     def _front(self, inner):
-        return _TLSAcceptor(inner, self) if self.cfg.tls else _PlainSniffer(inner, self)
+        if self.cfg.tls:
+            return _TLSAcceptor(inner, self)
+        if self.cfg.type == "mqtt":
+            return inner  # the Connection sniffs its own first bytes (Connection._foreign)
+        return _PlainSniffer(inner, self)
 
     async def start(self):
         self.loop = asyncio.get_running_loop()

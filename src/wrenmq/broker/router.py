@@ -7,6 +7,7 @@ accepted message passes through `publish()`, the one append point where the
 commit log (and later the cluster) sit.
 """
 
+import functools
 import heapq
 import logging
 from collections import deque
@@ -28,6 +29,7 @@ _PUBACK = C.PUBACK << 4
 _PUBREC = C.PUBREC << 4
 _PUBCOMP = C.PUBCOMP << 4
 _PINGRESP = b"\xd0\x00"
+_CONNACK_311 = (b"\x20\x02\x00\x00", b"\x20\x02\x01\x00")  # accepted; session present 0 / 1
 
 # Timer kinds.
 _EXPIRE_SESSION = 1
@@ -262,13 +264,18 @@ class Router:
         if self.online > self.stats.clients_maximum:
             self.stats.clients_maximum = self.online
 
-        if v5:
+        if not v5:
+            connack = _CONNACK_311[present]
+        elif props or auth_props:
             props.update(self._connack_properties())
             if auth_props:
                 props.update(auth_props)
+            connack = encode(Connack(present, 0, props), C.MQTT5)
+        else:
+            connack = self._connack_v5[present]
         if self.persist is not None:
             self.persist.session_started(session, pkt.clean_start)
-        conn.send(encode(Connack(present, 0, props), pkt.version))
+        conn.send(connack)
         if log.isEnabledFor(logging.INFO):
             log.info("client %s connected from %s (v%s, clean=%s, keepalive=%s, session present=%s)",
                      cid, conn.address, {3: "3.1", 4: "3.1.1", 5: "5.0"}[pkt.version],
@@ -277,6 +284,12 @@ class Router:
             self._resume(session)
         self.hooks.on_connect(session)
         return session
+
+    @functools.cached_property
+    def _connack_v5(self):
+        """The two 5.0 CONNACKs most connects get (only the broker's own properties)."""
+        return tuple(encode(Connack(present, 0, self._connack_properties()), C.MQTT5)
+                     for present in (False, True))
 
     def _connack_properties(self):
         limits = self.limits
@@ -392,9 +405,12 @@ class Router:
         if publish_will and session.will is not None:
             self._publish_will(session)
         session.will = None
-        for sub in session.subscriptions.values():
-            self._remove_subscription(session, sub)
-        session.subscriptions.clear()
+        subs = session.subscriptions
+        if subs:
+            for sub in subs.values():
+                self._remove_subscription(session, sub)
+            subs.clear()
+            self._matches.clear()
         self._clear_queue(session)
         session.resend = ()
         session.inflight.clear()
@@ -404,7 +420,6 @@ class Router:
             del self.sessions[session.client_id]
         if self.persist is not None:
             self.persist.session_ended(session)
-        self._matches.clear()
         self.hooks.on_session_expired(session.client_id)
 
     def _reassign_shared(self, session):

@@ -33,14 +33,20 @@ _rec = st.tuples(
     st.sampled_from([b"a", b"sensors/1/temp", b"\xc3\xa9t\xc3\xa9/x", b"t" * 300]),  # topic
     st.sampled_from([b"", b"dev-1", b"dev-2"]),  # client id
     st.one_of(st.just(b""), st.binary(min_size=1, max_size=30)),  # properties
-    st.binary(max_size=300),  # payload
+    st.one_of(st.binary(max_size=300), st.binary(min_size=1000, max_size=5000)),  # payload
     st.integers(0, 65535),  # packet id
 )
 
 
 def _reference(base, recs):
     ts, flags, topics, clients, props, payloads, pids = zip(*recs)
-    return encode_batch_parts(base, ts, flags, topics, clients, props, payloads, pids), ts[0], max(ts)
+    return b"".join(encode_batch_parts(base, ts, flags, topics, clients, props, payloads, pids)), ts[0], max(ts)
+
+
+def _encoded(mod, base, recs):
+    """The batch `mod` encodes, joined (it may come as several parts)."""
+    parts, first, last = mod.encode_records(base, recs)
+    return b"".join(parts), first, last
 
 
 def test_the_install_compiled_it():
@@ -55,15 +61,14 @@ def test_the_install_compiled_it():
 @given(base=st.integers(0, 2**40), recs=st.lists(_rec, min_size=1, max_size=40))
 def test_same_bytes_as_the_reference(base, recs):
     want = _reference(base, recs)
-    assert compiled.encode_records(base, recs) == want
-    assert INTERPRETED.encode_records(base, recs) == want
+    assert _encoded(compiled, base, recs) == want
+    assert _encoded(INTERPRETED, base, recs) == want
 
 
 def test_round_trip_through_the_reader():
     recs = [(1_700_000_000_000_000 + i, (i % 3) | (i % 2) << 2, b"fleet/%d" % (i % 5), b"dev-%d" % (i % 3),
              b"\x01\x01" if i % 4 == 0 else b"", bytes([i % 256]) * (i % 700), i) for i in range(500)]
-    (prefix, tail), first, last = compiled.encode_records(1000, recs)
-    data = prefix + tail
+    data, first, last = _encoded(compiled, 1000, recs)
     assert read_prefix(data) == len(data)
     batch = Batch(data)
     got = list(batch.records(check_records=True))
@@ -73,8 +78,41 @@ def test_round_trip_through_the_reader():
     assert (first, last) == (recs[0][0], recs[-1][0])
 
 
+def test_large_payloads_are_parts_of_their_own():
+    """From 1 KiB a record, payloads are not joined into the batch: each is a part of
+    the writev as it is (no copy with the GIL held), and the batch reads back the same."""
+    recs = [(1_700_000_000_000_000 + i, i % 3, b"fleet/%d" % (i % 5), b"dev-1", b"",
+             bytes([i % 256]) * (1024 + 3 * i), i) for i in range(300)]
+    parts, first, last = compiled.encode_records(7, recs)
+    assert len(parts) >= 2 + len(recs)
+    assert all(any(p is r[5] for p in parts) for r in recs)
+    data = b"".join(parts)
+    assert (data, first, last) == _reference(7, recs)
+    got = list(Batch(data).records(check_records=True))
+    assert [r.payload for r in got] == [r[5] for r in recs]
+    assert b"".join(INTERPRETED.encode_records(7, recs)[0]) == data
+
+
 def test_too_large_a_batch_is_refused():
     big = b"x" * (1 << 20)
     recs = [(1, 0, b"t", b"c", b"", big, 0)] * 1100  # 1.1 GiB of payload > MAX_BATCH_BYTES
     with pytest.raises(ValueError):
         compiled.encode_records(0, recs)
+
+
+def test_parts_beyond_iov_max_are_written_in_order(tmp_path, monkeypatch):
+    """A batch of more parts than one writev takes goes out in runs, in order."""
+    from wrenmq.store import log as commit_log
+
+    monkeypatch.setattr(commit_log, "_IOV_MAX", 16)
+    recs = [(1_700_000_000_000_000 + i, 0, b"fleet/1", b"dev-1", b"", bytes([i % 256]) * 1500, 0)
+            for i in range(100)]
+    parts, _, _ = compiled.encode_records(0, recs)
+    assert len(parts) > 16
+    path = tmp_path / "batch"
+    fd = commit_log.os.open(path, commit_log.os.O_WRONLY | commit_log.os.O_CREAT)
+    try:
+        commit_log._write_parts(fd, parts)
+    finally:
+        commit_log.os.close(fd)
+    assert path.read_bytes() == b"".join(parts)

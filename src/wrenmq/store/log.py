@@ -989,8 +989,8 @@ class CommitLog(LogReader):
     def append(self, data, base, count, first_ts, max_ts):
         """Write one encoded batch at the end of the log.
 
-        `data`: the batch's bytes (`format.encode_batch`), or its parts as a tuple
-        (`format.encode_batch_parts`), written with one writev.
+        `data`: the batch's bytes (`format.encode_batch`), or its parts as a tuple or
+        list (`format.encode_batch_parts`, `_encode.encode_records`), written with writev.
         """
         seg = self.segments[-1]
         if base != seg.next_offset:
@@ -1002,11 +1002,7 @@ class CommitLog(LogReader):
             seg = self.segments[-1]
         pos = seg.size
         try:
-            n = os.writev(self._wfd, parts)
-            if n < size:  # a short write (rare: signals, quotas): write the rest
-                view = memoryview(b"".join(parts))[n:]
-                while view:
-                    view = view[os.write(self._wfd, view):]
+            _write_parts(self._wfd, parts)
         except OSError:
             # Disk full or an I/O error: take a partial batch back off so later appends
             # (and their index entries) still land where the segment says it ends.
@@ -1113,6 +1109,24 @@ def _write_atomic(path, data):
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+try:
+    _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
+except (AttributeError, ValueError, OSError):
+    _IOV_MAX = 1024
+
+
+def _write_parts(fd, parts):
+    """Write `parts` in order: writev in runs of at most IOV_MAX, short writes finished."""
+    for i in range(0, len(parts), _IOV_MAX):
+        run = parts[i:i + _IOV_MAX] if len(parts) > _IOV_MAX else parts
+        n = os.writev(fd, run)
+        want = sum(map(len, run))
+        if n < want:  # rare: signals, quotas
+            view = memoryview(b"".join(run))[n:]
+            while view:
+                view = view[os.write(fd, view):]
 
 
 def _fsync_dir(path):

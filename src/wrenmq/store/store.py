@@ -81,7 +81,8 @@ class _Epoch:
 
 
 def encode_records(base, recs):
-    """Record tuples (offsets base..) as one log batch: (parts, first timestamp, max timestamp).
+    """Record tuples (offsets base..) as one log batch: (parts, first timestamp, max timestamp);
+    the parts, concatenated, are the batch.
 
     The compiled loop of `_encode` when the install built it, else the column-wise
     reference encoder of `format` (the same bytes).
@@ -388,7 +389,7 @@ class Store:
         data, first_ts, max_ts = encode_records(base, recs)
         self.log.append(data, base, len(recs), first_ts, max_ts)
         self.appended += len(recs)
-        self.bytes_appended += len(data[0]) + len(data[1])
+        self.bytes_appended += sum(map(len, data))
 
     # --- reading back ------------------------------------------------------------
 

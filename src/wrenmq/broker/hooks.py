@@ -29,6 +29,7 @@ class ClientInfo:
     """Who is connecting, for `authenticate` (a `Session` has the same attributes)."""
 
     __slots__ = ("client_id", "username", "address", "version", "listener")
+    cert_identity = None  # the CN a TLS listener took as user name (CertClientInfo)
 
     def __init__(self, client_id, username, address, version, listener):
         self.client_id = client_id

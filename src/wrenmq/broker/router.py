@@ -248,15 +248,22 @@ class Router:
         session.connected_at = now
         session.alias_in = None
         session.alias_out = None
-        cprops = pkt.properties
-        session.send_quota = min(cprops.get("receive_maximum", 65535), limits.max_inflight)
-        session.max_packet_out = cprops.get("maximum_packet_size", 0)
-        session.alias_out_max = cprops.get("topic_alias_maximum", 0)
-        if session.alias_out_max:
-            session.alias_out = {}
-        session.topic_alias_in_max = limits.topic_alias_maximum if v5 else 0
         session.receive_max_in = limits.receive_maximum
-        session.request_problem_info = bool(cprops.get("request_problem_information", 1))
+        if v5:
+            cprops = pkt.properties
+            session.send_quota = min(cprops.get("receive_maximum", 65535), limits.max_inflight)
+            session.max_packet_out = cprops.get("maximum_packet_size", 0)
+            session.alias_out_max = cprops.get("topic_alias_maximum", 0)
+            if session.alias_out_max:
+                session.alias_out = {}
+            session.topic_alias_in_max = limits.topic_alias_maximum
+            session.request_problem_info = bool(cprops.get("request_problem_information", 1))
+        else:  # 3.1.1 has none of these properties
+            session.send_quota = min(65535, limits.max_inflight)
+            session.max_packet_out = 0
+            session.alias_out_max = 0
+            session.topic_alias_in_max = 0
+            session.request_problem_info = True
         session.will = self._will_message(pkt.will, cid, session) if pkt.will is not None else None
         conn.keepalive = keepalive
         self.online += 1
@@ -273,7 +280,7 @@ class Router:
             connack = encode(Connack(present, 0, props), C.MQTT5)
         else:
             connack = self._connack_v5[present]
-        if self.persist is not None:
+        if expiry > 0 and self.persist is not None:
             self.persist.session_started(session, pkt.clean_start)
         conn.send(connack)
         if log.isEnabledFor(logging.INFO):
@@ -424,6 +431,8 @@ class Router:
 
     def _reassign_shared(self, session):
         """Unacknowledged messages a shared group gave this session go to another member."""
+        if not session.inflight and not session.queue:
+            return
         moved = []
         for pid, out in list(session.inflight.items()):
             if out.group is not None and not out.released:

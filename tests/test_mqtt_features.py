@@ -462,16 +462,17 @@ def test_keepalive_longer_than_connect_timeout_still_enforced(make_broker, raw_c
     the hand-over must keep both the idle client's timeout and an active client alive."""
     b = make_broker("[limits]\nconnect_timeout = 1\n")
     idle, ack = raw_connect(raw_client, b.port, 4, keepalive=2)
+    t0 = time.monotonic()
     busy, ack2 = raw_connect(raw_client, b.port, 4, keepalive=2)
     assert ack.reason_code == 0 and ack2.reason_code == 0
-    t0 = time.monotonic()
-    for _ in range(5):  # 2.5 s: past the connect timeout, not yet 1.5 x keepalive
-        time.sleep(0.5)
+    while time.monotonic() - t0 < 2.5:  # past the connect timeout, not yet 1.5 x keepalive
+        time.sleep(0.4)
         busy.send(Pingreq())
         assert busy.recv(2).TYPE == C.PINGRESP
-    assert not idle.closed(0.1)
-    assert idle.closed(3)
-    assert 2.9 <= time.monotonic() - t0 <= 5.0
+        if time.monotonic() - t0 < 2.8:  # (a slow machine may overrun the loop)
+            assert not idle.closed(0.01)
+    assert idle.closed(3.5)
+    assert 2.9 <= time.monotonic() - t0 <= 6.0
     for _ in range(3):
         busy.send(Pingreq())
         assert busy.recv(2).TYPE == C.PINGRESP

@@ -429,7 +429,8 @@ class Connection(asyncio.Protocol):
 
     def _authenticate(self, pkt):
         hooks = self.broker.hooks
-        method = pkt.properties.get("authentication_method") if pkt.version == C.MQTT5 else None
+        props = pkt.properties
+        method = props.get("authentication_method") if props and pkt.version == C.MQTT5 else None
         if method is not None:
             hook = hooks.auth_methods.get(method)
             if hook is None:

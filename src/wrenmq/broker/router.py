@@ -212,7 +212,7 @@ class Router:
 
         # Session expiry requested vs allowed.
         if v5:
-            expiry = pkt.properties.get("session_expiry_interval", 0)
+            expiry = pkt.properties.get("session_expiry_interval", 0) if pkt.properties else 0
         else:
             expiry = 0 if pkt.clean_start else NEVER
         if expiry > limits.max_session_expiry:
@@ -249,20 +249,22 @@ class Router:
         session.alias_in = None
         session.alias_out = None
         session.receive_max_in = limits.receive_maximum
+        cprops = pkt.properties
         if v5:
-            cprops = pkt.properties
+            session.topic_alias_in_max = limits.topic_alias_maximum
+        else:
+            session.topic_alias_in_max = 0
+        if cprops:
             session.send_quota = min(cprops.get("receive_maximum", 65535), limits.max_inflight)
             session.max_packet_out = cprops.get("maximum_packet_size", 0)
             session.alias_out_max = cprops.get("topic_alias_maximum", 0)
             if session.alias_out_max:
                 session.alias_out = {}
-            session.topic_alias_in_max = limits.topic_alias_maximum
             session.request_problem_info = bool(cprops.get("request_problem_information", 1))
-        else:  # 3.1.1 has none of these properties
+        else:  # 3.1.1 has none of these properties, and many 5.0 clients send none
             session.send_quota = min(65535, limits.max_inflight)
             session.max_packet_out = 0
             session.alias_out_max = 0
-            session.topic_alias_in_max = 0
             session.request_problem_info = True
         session.will = self._will_message(pkt.will, cid, session) if pkt.will is not None else None
         conn.keepalive = keepalive

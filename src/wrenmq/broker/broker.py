@@ -273,7 +273,11 @@ class Broker:
         first = self._swept + 1
         self._swept = last
         deadlines = self._deadlines
-        for tick in range(first, last + 1):
+        # After a quiet spell (no sweep running) the span can be long: walk the ticks
+        # that have entries instead.
+        ticks = range(first, last + 1) if last - first <= len(deadlines) else \
+            sorted(t for t in deadlines if t <= last)
+        for tick in ticks:
             due = deadlines.pop(tick, None)
             if due:
                 for conn in due:

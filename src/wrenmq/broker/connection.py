@@ -247,9 +247,7 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc):
         self.closing = True
         self.state = _CLOSED
-        if self._watch is not None:
-            self.broker.unwatch(self, self._watch)
-            self._watch = None
+        self._unwatch()
         self.broker.connections.discard(self)
         session = self.session
         if session is not None:
@@ -337,16 +335,12 @@ class Connection(asyncio.Protocol):
             self.close_pending = True
             self._pause(_P_CLOSE)
             self.closing = True
-            if self._watch is not None:
-                self.broker.unwatch(self, self._watch)
-                self._watch = None
+            self._unwatch()
             self.broker.mark_dirty(self)
             return
         self.flush()
         self.closing = True
-        if self._watch is not None:
-            self.broker.unwatch(self, self._watch)
-            self._watch = None
+        self._unwatch()
         if self.transport is not None:
             self.transport.close()
 
@@ -524,9 +518,7 @@ class Connection(asyncio.Protocol):
         if result is not None and result is not True:
             self.refuse(pkt.version, int(result))
             return
-        if self._watch is not None:
-            self.broker.unwatch(self, self._watch)
-            self._watch = None
+        self._unwatch()
         session = self.router.connect(self, pkt, pkt.username, auth_props)
         if session is None:
             return
@@ -572,6 +564,11 @@ class Connection(asyncio.Protocol):
         self.close()
 
     # --- timers ------------------------------------------------------------
+
+    def _unwatch(self):
+        if self._watch is not None:
+            self.broker.unwatch(self, self._watch)
+            self._watch = None
 
     def deadline(self, now):
         """Called by the broker's wheel (Broker.watch): connect timeout, then keepalive."""

@@ -121,7 +121,7 @@ def encode_records(base, recs: list):
         prefix = _PREFIX.pack(MAGIC, length) + _crc(tail).to_bytes(4, "little")
         return [prefix, tail], first_ts, max_ts
     # Large payloads stay where they are: the batch is written as head + payloads with
-    # one writev (the kernel copies them without the GIL) instead of being joined into
+    # writev (the kernel copies them without the GIL) instead of being joined into
     # a fresh buffer first, which for a batch of megabytes meant page faults by the
     # thousand with the GIL held. The batch checksum is extended payload by payload.
     joined = b"".join(head)

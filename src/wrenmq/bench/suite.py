@@ -68,7 +68,7 @@ def main(argv=None):
     # Log off and log on alternate row set by row set (one run of each row per round):
     # this VM's speed drifts by 15-40% over minutes, so comparing the log-on runs with
     # part 1's log-off runs, taken earlier, measured the drift as much as the log.
-    rounds = 1 if a.quick else a.repeat
+    rounds = a.repeat
     runs = {"off": {}, "on": {}}
     for i in range(rounds):
         for side, cfg in (("off", "wrenmq-memory.toml"), ("on", "wrenmq-log.toml")):

@@ -63,7 +63,6 @@ class Broker:
         self._throttled = []  # connections over their publish rate, woken by one tick
         self._throttle_handle = None
         self._arrivals = collections.deque()  # (connect deadline, weakref to connection)
-        self._connect_timeout = self.config.limits.connect_timeout
         self._deadlines = {}  # tick number -> connections to check at that tick (watch())
         self._swept = int(monotonic() / DEADLINE_TICK)  # last tick number checked
         self._sweep_handle = None
@@ -237,7 +236,7 @@ class Broker:
         held, nothing to cancel): a connect costs an append, not a loop timer. A client
         still connected then, with no keepalive check of its own yet, moves to `watch`.
         """
-        self._arrivals.append((monotonic() + self._connect_timeout, weakref.ref(conn)))
+        self._arrivals.append((monotonic() + self.config.limits.connect_timeout, weakref.ref(conn)))
         if self._sweep_handle is None and self.loop is not None:
             self._sweep_handle = self.loop.call_later(DEADLINE_TICK, self._sweep)
 

@@ -41,7 +41,7 @@ class Connection(asyncio.Protocol):
         self.broker = broker
         self.router = broker.router
         self.listener = listener
-        self.listener_name = name or listener.name or f"{listener.bind}:{listener.port}"
+        self.listener_name = name or listener.label
         self.transport = None
         self.decoder = Decoder(max_packet_size=broker.config.limits.max_packet_size)
         self.session = None

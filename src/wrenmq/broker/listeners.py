@@ -613,7 +613,7 @@ class Listener:
         self.ssl_context = None
         self._unix_id = None
         self._ws_opening = weakref.WeakSet()  # websockets connections, for close()
-        self._conn_name = cfg.name or f"{cfg.bind}:{cfg.port}"  # Connection.listener_name
+        self._conn_name = cfg.label  # Connection.listener_name, built once per listener
 
     @property
     def label(self):

@@ -250,10 +250,7 @@ class Router:
         session.alias_out = None
         session.receive_max_in = limits.receive_maximum
         cprops = pkt.properties
-        if v5:
-            session.topic_alias_in_max = limits.topic_alias_maximum
-        else:
-            session.topic_alias_in_max = 0
+        session.topic_alias_in_max = limits.topic_alias_maximum if v5 else 0
         if cprops:
             session.send_quota = min(cprops.get("receive_maximum", 65535), limits.max_inflight)
             session.max_packet_out = cprops.get("maximum_packet_size", 0)

@@ -102,19 +102,8 @@ def check_utf8(raw):
 
 
 def _read_string(data, pos, end):
-    # _read_binary + check_utf8, written out: every CONNECT and SUBSCRIBE reads a few.
-    if pos + 2 > end:
-        raise _malformed("truncated length prefix")
-    stop = pos + 2 + ((data[pos] << 8) | data[pos + 1])
-    if stop > end:
-        raise _malformed("length prefix runs past the packet")
-    try:
-        s = str(data[pos + 2:stop], "utf-8")
-    except UnicodeDecodeError:
-        raise _malformed("invalid UTF-8 string") from None
-    if "\x00" in s:
-        raise _malformed("UTF-8 string contains U+0000")
-    return s, stop
+    raw, pos = _read_binary(data, pos, end)
+    return check_utf8(raw), pos
 
 
 # --- properties ------------------------------------------------------------

@@ -15,10 +15,10 @@ def batch_crc_algo(data):
     crc = HEADER.unpack_from(data)[2]
     if zlib.crc32(data[12:]) == crc:
         return zlib.crc32
-    import google_crc32c
+    import crc32c
 
-    assert google_crc32c.value(bytes(data[12:])) == crc, "batch CRC is neither CRC-32 nor CRC-32C"
-    return lambda b: google_crc32c.value(bytes(b))
+    assert crc32c.crc32c(bytes(data[12:])) == crc, "batch CRC is neither CRC-32 nor CRC-32C"
+    return lambda b: crc32c.crc32c(bytes(b))
 
 
 def make_records(rng, base, n, ts, *, empty=False):

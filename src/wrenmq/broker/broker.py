@@ -61,6 +61,7 @@ class Broker:
         self._flush_scheduled = False
         self._seal_scheduled = False
         self._throttled = []  # connections over their publish rate, woken by one tick
+        self._yielded = []  # connections that used their read budget, resumed next turn
         self._throttle_handle = None
         self._arrivals = collections.deque()  # (connect deadline, weakref to connection)
         self._deadlines = {}  # tick number -> connections to check at that tick (watch())
@@ -209,6 +210,24 @@ class Broker:
                 return
         for conn in dirty:
             conn.flush()
+
+    def yield_turn(self, conn):
+        """`conn` has read READ_TURN_BYTES: it reads again in the next loop turn.
+
+        libuv reads a socket up to 32 times per wake-up while it stays full, so without
+        this a few flooding publishers make one loop turn last half a second: timers
+        (keepalive, the store's seal) fire late, the writer thread's reports wait, and
+        every message of the turn stays in memory until it ends.
+        """
+        self._yielded.append(conn)
+        if len(self._yielded) == 1:
+            self.loop.call_soon(self._resume_yielded)
+
+    def _resume_yielded(self):
+        conns = self._yielded
+        self._yielded = []
+        for conn in conns:
+            conn.resume_turn()
 
     def throttle(self, conn):
         """`conn` is over its publish rate: give it its tokens' worth again at the next tick.

@@ -14,8 +14,7 @@ for the format. `store.encode_records` uses this module only when COMPILED.
 from array import array
 
 import cython
-from google_crc32c import extend as _crc_extend
-from google_crc32c import value as _crc
+from crc32c import crc32c as _crc
 
 from .format import _PREFIX, _TAIL, MAGIC, MAX_BATCH_BYTES, _prefix_crcs
 
@@ -88,11 +87,11 @@ def encode_records(base, recs: list):
         key = (topic, client)
         crc = cache.get(key)
         if crc is None:
-            crc = _crc_extend(_crc(topic), client) if len(client) else _crc(topic)
+            crc = _crc(client, _crc(topic)) if len(client) else _crc(topic)
             cache[key] = crc
         if len(props):
-            crc = _crc_extend(crc, props)
-        crc_v[i] = _crc_extend(crc, payload)
+            crc = _crc(props, crc)
+        crc_v[i] = _crc(payload, crc)
         topic_end += len(topic)
         client_end += len(client)
         props_end += len(props)
@@ -127,11 +126,11 @@ def encode_records(base, recs: list):
     joined = b"".join(head)
     crc = _crc(joined)
     for i in range(n):
-        crc = _crc_extend(crc, payloads[i])
+        crc = _crc(payloads[i], crc)
     parts = [None, joined, *payloads]
     if pad:
         zeros = b"\0" * pad
-        crc = _crc_extend(crc, zeros)
+        crc = _crc(zeros, crc)
         parts.append(zeros)
     parts[0] = _PREFIX.pack(MAGIC, length) + crc.to_bytes(4, "little")
     return parts, first_ts, max_ts

@@ -28,7 +28,7 @@ let a damaged batch be salvaged record by record and let `wrenmq log verify`
 name the exact offsets that are bad. The offsets columns are Arrow's binary
 layout, so a reader builds Arrow arrays over the batch bytes without copying.
 Checksums are CRC-32C (Castagnoli, as in Kafka's record batches), computed with
-the hardware instruction by `google-crc32c`. Logs written before that change carry
+the hardware instruction by `crc32c`. Logs written before that change carry
 CRC-32 (zlib) in the same places; readers accept either, so such a log stays
 readable and a recovering writer does not take it for a corrupt tail.
 """
@@ -39,8 +39,10 @@ import zlib
 from array import array
 from itertools import accumulate
 
-from google_crc32c import extend as _crc_extend
-from google_crc32c import value as _crc
+# crc32c(data, value=0): keeps the GIL for buffers under 32 KiB, where releasing it
+# costs more than the checksum (google-crc32c released it on every call: two GIL
+# hand-overs per logged record between the writer thread and the event loop).
+from crc32c import crc32c as _crc
 
 MAGIC = b"WRN1"
 HEADER = struct.Struct("<4sIIqIqqII")
@@ -70,21 +72,21 @@ def _record_crcs(topics, clients, props, payloads):
             cache.clear()
             missing = set(pairs)
         for t, c in missing:
-            cache[(t, c)] = _crc_extend(_crc(t), c) if c else _crc(t)
+            cache[(t, c)] = _crc(c, _crc(t)) if c else _crc(t)
     prefix = map(cache.__getitem__, pairs)
     if any(props):
-        prefix = [_crc_extend(crc, r) if r else crc for crc, r in zip(prefix, props)]
-    return map(_crc_extend, prefix, payloads)
+        prefix = [_crc(r, crc) if r else crc for crc, r in zip(prefix, props)]
+    return map(_crc, payloads, prefix)
 
 
 def record_crc(topic, client, props, payload):
     """CRC-32C of one record's variable fields, in column order."""
     crc = _crc(topic)
     if client:
-        crc = _crc_extend(crc, client)
+        crc = _crc(client, crc)
     if props:
-        crc = _crc_extend(crc, props)
-    return _crc_extend(crc, payload)
+        crc = _crc(props, crc)
+    return _crc(payload, crc)
 
 
 def legacy_record_crc(topic, client, props, payload):

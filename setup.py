@@ -1,7 +1,9 @@
-"""Compiles the writer's batch encoder (src/wrenmq/store/_encode.py) with Cython.
+"""Compiles the MQTT codec (src/wrenmq/mqtt/codec.py) and the writer's batch encoder
+(src/wrenmq/store/_encode.py) with Cython.
 
 Everything else is in pyproject.toml. The extension is optional: without a C compiler
-the install still succeeds and wrenmq uses the pure-Python encoder (slower, same bytes).
+the install still succeeds and wrenmq runs the Python source (slower, same behaviour);
+the list is wrenmq._compiled.COMPILED_MODULES, which also says when the source runs instead.
 """
 
 from setuptools import Extension, setup
@@ -12,7 +14,8 @@ except ImportError:  # building without Cython: pure Python only
     ext_modules = []
 else:
     ext_modules = cythonize(
-        [Extension("wrenmq.store._encode", ["src/wrenmq/store/_encode.py"], optional=True)],
+        [Extension("wrenmq.mqtt.codec", ["src/wrenmq/mqtt/codec.py"], optional=True),
+         Extension("wrenmq.store._encode", ["src/wrenmq/store/_encode.py"], optional=True)],
         compiler_directives={"language_level": 3},
         quiet=True,
     )

@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from . import _compiled
+
+_compiled.install()
+
 
 def __getattr__(name):
     # `from wrenmq import Broker, Hook` without importing the broker on `import wrenmq`.

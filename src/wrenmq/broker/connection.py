@@ -116,13 +116,11 @@ class Connection(asyncio.Protocol):
         self._last_rx = monotonic()
         n = len(data)
         self.router.stats.bytes_received += n
-        n += self._rx_turn
-        if n >= READ_TURN_BYTES:
+        self._rx_turn += n
+        if self._rx_turn >= READ_TURN_BYTES:
             self._rx_turn = 0
             self._pause(_P_TURN)
             self.broker.yield_turn(self)
-        else:
-            self._rx_turn = n
         if self.state != _OPEN:
             self._before_open(data)
             return

@@ -94,8 +94,9 @@ def encode_records(base, recs):
     return data, ts[0], max(ts)
 
 
-_BATCH_RECORDS = 2048  # records per batch: the encoder holds the GIL ~1 ms for 2048 x 1 KiB (5.7 ms for 8192)
-_SEAL_RECORDS = 2048  # an epoch this large goes to the writer without waiting
+# Records per batch at most: the encoder holds the GIL ~1 ms for 2048 x 1 KiB (5.7 ms for 8192).
+_BATCH_RECORDS = 2048
+_SEAL_RECORDS = 2048  # a QoS 0-only epoch this large goes to the writer mid-turn (append)
 SEAL_DELAY = 0.02  # seconds a QoS 0-only epoch may keep growing before it is written
 
 
@@ -259,13 +260,13 @@ class Store:
         """True if the current epoch should go to the writer at the end of this loop turn.
 
         An epoch with acknowledged messages or durable state changes goes at once (under
-        every fsync mode a kill -9 must not lose them once acknowledged), and so does a
-        large one. Otherwise (QoS 0 only) it keeps growing for up to SEAL_DELAY: each
-        hand-over wakes the writer thread, and each wake-up costs the loop the GIL
-        (a quarter of the broker's CPU at 100k QoS 0 msg/s, see docs/BENCHMARKS.md).
+        every fsync mode a kill -9 must not lose them once acknowledged). Otherwise (QoS 0
+        only) it keeps growing for up to SEAL_DELAY, or until `append` seals it at
+        _SEAL_RECORDS: each hand-over wakes the writer thread, and each wake-up costs the
+        loop the GIL (a quarter of the broker's CPU at 100k QoS 0 msg/s, see
+        docs/BENCHMARKS.md).
         """
-        e = self._epoch
-        return e.durable or len(e.recs) >= _SEAL_RECORDS
+        return self._epoch.durable
 
     @property
     def must_hold(self):

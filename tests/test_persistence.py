@@ -839,6 +839,27 @@ def test_log_topics_filter(durable, pc):
     assert [r.topic for r in b.records()] == ["sensors/a", "sensors/x/y", "sensors/b"]
 
 
+def test_records_carry_the_time_their_message_arrived(durable, pc):
+    """A record's timestamp is when its message reached the broker (read once per read),
+    on both paths: no subscriber (the record comes straight from the packet) and a
+    subscriber (through a Message). The pauses make a stale clock reading show."""
+    b = durable()
+    p = pc(b.port, version=4)
+    s = pc(b.port, version=4)
+    sub(s, "ts/seen", 0)
+    topics = ["ts/alone", "ts/seen", "ts/alone", "ts/seen"]
+    windows = []
+    for topic in topics:
+        time.sleep(0.3)
+        before = time.time()
+        publish(p, topic, b"x", 1)
+        windows.append((before, time.time()))
+    recs = [r for r in b.records() if r.topic.startswith("ts/")]
+    assert [r.topic for r in recs] == topics
+    for r, (before, after) in zip(recs, windows):
+        assert before - 0.001 <= r.timestamp / 1e6 <= after + 0.001, (r, before, after)
+
+
 @pytest.mark.parametrize("fsync", ["interval", "never"])
 def test_fsync_modes_keep_everything_over_clean_restart(durable, pc, fsync):
     b = durable(f'[storage]\nfsync = "{fsync}"\nfsync_interval_ms = 50\n')

@@ -62,6 +62,13 @@ async def _run(cfg):
         log.error("cannot start: %s", e)
         return 2
     loop = asyncio.get_running_loop()
+    # Before the listeners open: a SIGTERM that comes as soon as the port answers (a
+    # service manager, a test) must stop the broker cleanly, not kill it by default action.
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if hasattr(signal, "SIGHUP"):
+        loop.add_signal_handler(signal.SIGHUP, broker.hooks.reload)
     try:
         await broker.start()
     except OSError as e:
@@ -76,11 +83,6 @@ async def _run(cfg):
             log.error("cannot write pid file %s: %s", pid_file, e)
             await broker.stop()
             return 1
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    if hasattr(signal, "SIGHUP"):
-        loop.add_signal_handler(signal.SIGHUP, broker.hooks.reload)
     waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(broker.serve_forever())}
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for w in waiters:

@@ -135,7 +135,9 @@ class Connection(asyncio.Protocol):
         self._dispatch(packets)
 
     def _dispatch(self, packets):
-        handlers = self.router.handlers
+        router = self.router
+        router.arrived()
+        handlers = router.handlers
         session = self.session
         try:
             for pkt in packets:
@@ -551,17 +553,7 @@ class Connection(asyncio.Protocol):
         self._unpause(_P_AUTH)
         if pending:
             if isinstance(pending, list):
-                try:
-                    for p in pending:
-                        h = self.router.handlers[p.TYPE]
-                        if h is None:
-                            self._on_auth_packet(p)
-                        else:
-                            h(session, p)
-                        if self.closing:
-                            return
-                except MQTTError as e:
-                    self.protocol_error(e)
+                self._dispatch(pending)
             else:
                 self.data_received(pending)
 

@@ -124,6 +124,8 @@ class Router:
         self.max_inflight_bytes = lim.max_inflight_bytes or float("inf")
         self.queue_memory = lim.queue_memory or float("inf")
         self.queued_bytes = 0  # across all sessions
+        self.rx_time = time.time()  # wall clock of the packets being handled (arrived())
+        self.rx_us = int(self.rx_time * 1_000_000)
         h = [None] * 16
         h[C.PUBLISH] = self.handle_publish
         h[C.PUBACK] = self.handle_puback
@@ -137,6 +139,15 @@ class Router:
         for t in (C.CONNECT, C.CONNACK, C.SUBACK, C.UNSUBACK, C.PINGRESP):
             h[t] = self._unexpected
         self.handlers = h
+
+    def arrived(self):
+        """Packets of one read are about to be handled: read the wall clock once for them.
+
+        A message's timestamp (the log's record time) is when its read arrived; one
+        clock reading per read instead of one per message is 0.1-0.2 us less per message.
+        """
+        t = self.rx_time = time.time()
+        self.rx_us = int(t * 1_000_000)
 
     # --- timers -------------------------------------------------------------
 
@@ -469,7 +480,7 @@ class Router:
         if self.max_topic_length and len(topic.encode()) > self.max_topic_length:
             raise MQTTError(C.TOPIC_NAME_INVALID, f"topic longer than {self.max_topic_length} bytes")
 
-    def _new_message(self, topic, payload, qos, retain, props, cid, origin, raw=None, raw_v5=False):
+    def _new_message(self, topic, payload, qos, retain, props, cid, origin, ts, raw=None, raw_v5=False):
         expiry = None
         cap = self.limits.max_message_expiry
         interval = props.get("message_expiry_interval") if props else None
@@ -478,7 +489,7 @@ class Router:
             props["message_expiry_interval"] = cap
         if interval is not None:
             expiry = self.clock() + interval
-        return Message(topic, payload, qos, retain, props, expiry, cid, origin, raw, raw_v5, time.time())
+        return Message(topic, payload, qos, retain, props, expiry, cid, origin, raw, raw_v5, ts)
 
     def handle_publish(self, session, pkt):
         topic = pkt.topic
@@ -555,17 +566,17 @@ class Router:
                 # topic is recorded, the log gets the record straight from the packet.
                 if hit[2]:
                     self.persist.store.append_record(
-                        int(time.time() * 1_000_000), qos, False, hit[2], session.client_id,
+                        self.rx_us, qos, False, hit[2], session.client_id,
                         b"", pkt.payload, pid if qos == 2 else 0)
                 if session.v5:
                     reason = C.NO_MATCHING_SUBSCRIBERS
             else:
                 if self.limits.max_message_expiry or props:
                     msg = self._new_message(topic, pkt.payload, qos, retain, props,
-                                            session.client_id, session, None, session.v5)
+                                            session.client_id, session, self.rx_time, None, session.v5)
                 else:
                     msg = Message(topic, pkt.payload, qos, retain, props, None, session.client_id,
-                                  session, None, session.v5, time.time())
+                                  session, None, session.v5, self.rx_time)
                 msg.packet = raw
                 if not self.publish(msg, pid if qos == 2 else 0) and session.v5:
                     reason = C.NO_MATCHING_SUBSCRIBERS
@@ -1083,7 +1094,7 @@ class Router:
     def publish_internal(self, topic, payload, qos=0, retain=False, properties=None):
         """Publish as the broker itself ($SYS, the embedding application)."""
         props = dict(properties) if properties else {}
-        msg = self._new_message(topic, payload, qos, retain, props, "", None)
+        msg = self._new_message(topic, payload, qos, retain, props, "", None, time.time())
         return self.publish(msg)
 
     def disconnect_all(self, reason=C.SERVER_SHUTTING_DOWN):

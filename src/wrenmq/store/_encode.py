@@ -72,6 +72,7 @@ def encode_records(base, recs: list):
     if len(cache) > 65536:
         cache.clear()
     first_ts = max_ts = recs[0][0]
+    last_topic = last_client = prefix = None
     for i in range(n):
         rec = recs[i]
         ts = rec[0]
@@ -84,11 +85,17 @@ def encode_records(base, recs: list):
             max_ts = ts
         flag_v[i] = rec[1]
         pid_v[i] = rec[6]
-        key = (topic, client)
-        crc = cache.get(key)
-        if crc is None:
-            crc = _crc(client, _crc(topic)) if len(client) else _crc(topic)
-            cache[key] = crc
+        if topic is not last_topic or client is not last_client:
+            # Records come in runs from one publisher on one topic (one read's worth):
+            # the same two objects as the record before need no key and no lookup.
+            key = (topic, client)
+            prefix = cache.get(key)
+            if prefix is None:
+                prefix = _crc(client, _crc(topic)) if len(client) else _crc(topic)
+                cache[key] = prefix
+            last_topic = topic
+            last_client = client
+        crc = prefix
         if len(props):
             crc = _crc(props, crc)
         crc_v[i] = _crc(payload, crc)

@@ -39,12 +39,13 @@ BENCH_DEBIAN_PKGS := \
 
 ENSURE_DEB := bash scripts/ensure-debian-packages.sh
 
-# What the install needs to compile the codec and the log's batch encoder (setup.py): a C
+# What the install needs to compile the codec and the log's hot paths (setup.py): a C
 # compiler and Python's headers. Without them the install still works (Python source),
 # so `make run` only tries; `make test` requires them (a test checks the build).
 PY_INCLUDE := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['include'])" 2>/dev/null)
 BUILD_DEBIAN_PKGS := gcc:gcc $(PY_INCLUDE)/Python.h:python3-dev
-COMPILED_SOURCES := setup.py src/wrenmq/mqtt/codec.py src/wrenmq/store/_encode.py
+COMPILED_SOURCES := setup.py src/wrenmq/mqtt/codec.py src/wrenmq/store/_encode.py \
+                    src/wrenmq/store/_encode.pxd src/wrenmq/store/_epoch.py src/wrenmq/store/_epoch.pxd
 
 .PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-deps demo fuzz clean
 

@@ -1,5 +1,6 @@
-"""Compiles the MQTT codec (src/wrenmq/mqtt/codec.py) and the writer's batch encoder
-(src/wrenmq/store/_encode.py) with Cython.
+"""Compiles the MQTT codec (src/wrenmq/mqtt/codec.py), the writer's batch encoder
+(src/wrenmq/store/_encode.py) and the log's per-message steps (src/wrenmq/store/_epoch.py,
+typed by _epoch.pxd) with Cython.
 
 Everything else is in pyproject.toml. The extension is optional: without a C compiler
 the install still succeeds and wrenmq runs the Python source (slower, same behaviour);
@@ -15,7 +16,8 @@ except ImportError:  # building without Cython: pure Python only
 else:
     ext_modules = cythonize(
         [Extension("wrenmq.mqtt.codec", ["src/wrenmq/mqtt/codec.py"], optional=True),
-         Extension("wrenmq.store._encode", ["src/wrenmq/store/_encode.py"], optional=True)],
+         Extension("wrenmq.store._encode", ["src/wrenmq/store/_encode.py"], optional=True),
+         Extension("wrenmq.store._epoch", ["src/wrenmq/store/_epoch.py"], optional=True)],
         compiler_directives={"language_level": 3},
         quiet=True,
     )

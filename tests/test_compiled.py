@@ -14,6 +14,7 @@ from pathlib import Path
 import wrenmq
 import wrenmq.mqtt.codec as codec
 import wrenmq.store._encode as encode
+import wrenmq.store._epoch as epoch
 from wrenmq._compiled import COMPILED_MODULES, compiled
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +26,8 @@ def test_the_install_compiled_them():
     # the Python source, and this says so.
     assert compiled(codec), f"mqtt/codec.py was not compiled by the install: {codec.__file__}"
     assert compiled(encode) and encode.COMPILED
-    assert set(COMPILED_MODULES) == {"wrenmq.mqtt.codec", "wrenmq.store._encode"}
+    assert compiled(epoch), f"store/_epoch.py was not compiled by the install: {epoch.__file__}"
+    assert set(COMPILED_MODULES) == {"wrenmq.mqtt.codec", "wrenmq.store._encode", "wrenmq.store._epoch"}
 
 
 def test_codec_tables_pass_on_the_python_source():

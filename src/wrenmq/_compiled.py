@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 
-COMPILED_MODULES = ("wrenmq.mqtt.codec", "wrenmq.store._encode")
+COMPILED_MODULES = ("wrenmq.mqtt.codec", "wrenmq.store._encode", "wrenmq.store._epoch")
 
 
 class _SourceWhenStale:

@@ -19,8 +19,9 @@ import socket
 import threading
 import time
 
-from ..mqtt.codec import decode_properties, encode_properties, encode_varint
-from .format import Record, encode_batch_parts
+from ..mqtt.codec import decode_properties, encode_varint
+from ._epoch import Epoch, EpochAppender, properties_block  # noqa: F401 (properties_block: re-exported)
+from .format import encode_batch_parts
 from .log import CommitLog, LogReader
 from .state import META_SET, StateDB
 
@@ -33,20 +34,6 @@ except ImportError:  # not built, and Cython (which the source imports) not inst
 
 log = logging.getLogger("wrenmq.store")
 
-_EMPTY = b""
-
-
-def properties_block(msg):
-    """A message's MQTT 5 properties as stored: the property bytes without the length prefix."""
-    if not msg.properties:
-        return _EMPTY
-    enc = encode_properties(msg.properties)
-    # Skip the variable byte integer length prefix.
-    i = 0
-    while enc[i] & 0x80:
-        i += 1
-    return enc[i + 1:]
-
 
 def parse_properties_block(block):
     if not block:
@@ -54,30 +41,6 @@ def parse_properties_block(block):
     data = encode_varint(len(block)) + block
     props, _ = decode_properties(data, 0, len(data), "P")
     return dict(props)
-
-
-class _Epoch:
-    """What one loop turn produced: log records (offsets base..) and state operations.
-
-    A record is a tuple (timestamp us, flags, topic, client id, properties, payload,
-    packet id) with bytes fields, built on the event loop; the writer thread turns the
-    epoch's records into columns with one `zip` and encodes them as one batch.
-    """
-
-    __slots__ = ("id", "base", "recs", "ops", "durable")
-
-    def __init__(self, eid, base):
-        self.id = eid
-        self.base = base
-        self.recs = []
-        self.ops = []
-        self.durable = False
-
-    def record(self, i):
-        """Record `i` of the epoch as a format.Record (reads of what is not on disk yet)."""
-        ts, flags, topic, client, props, payload, pid = self.recs[i]
-        return Record(self.base + i, ts, flags & 3, bool(flags & 4), topic.decode(), client.decode(),
-                      props, payload, pid, bool(flags & 8))
 
 
 def encode_records(base, recs):
@@ -96,7 +59,6 @@ def encode_records(base, recs):
 
 # Records per batch at most: the encoder holds the GIL ~1 ms for 2048 x 1 KiB (5.7 ms for 8192).
 _BATCH_RECORDS = 2048
-_SEAL_RECORDS = 2048  # a QoS 0-only epoch this large goes to the writer mid-turn (append)
 SEAL_DELAY = 0.02  # seconds a QoS 0-only epoch may keep growing before it is written
 
 
@@ -119,8 +81,12 @@ def node_id_for(data_dir, configured):
     return name
 
 
-class Store:
-    """Persistence for one broker node; call `append`/`op`/`seal` from the event loop only."""
+class Store(EpochAppender):
+    """Persistence for one broker node; call `append`/`op`/`seal` from the event loop only.
+
+    The per-message steps (`append`, `append_record`) and the epoch live in `_epoch`,
+    which the install compiles.
+    """
 
     def __init__(self, config, on_durable=None, on_error=None):
         st = config.storage
@@ -146,7 +112,7 @@ class Store:
         self.loop = None
         self._last_id = 0
         self.durable_id = 0
-        self._epoch = _Epoch(1, self.next_offset)
+        self._epoch = Epoch(1, self.next_offset)
         # Epochs whose messages may not be on disk yet, for in-process reads.
         self._tail = collections.deque()
         self._client_bytes = {}
@@ -181,75 +147,6 @@ class Store:
 
     # --- the event loop side -----------------------------------------------------
 
-    def append(self, msg, packet_id=0, topic_b=None, private=False):
-        """Give `msg` the next offset and put it in the current epoch.
-
-        `packet_id` is the publisher's id of a QoS 2 message: recovery uses it to
-        recognise a resend of a message that reached the log just before a crash.
-        `private`: the topic is not recorded for readers, but a persistent session is
-        owed the message, and the log is where owed messages survive a restart.
-        `topic_b`: the topic's UTF-8 bytes, if the caller has them.
-        The same steps as append_record, written out: this runs once per logged
-        message, and a call to append_record would be one more Python call each time.
-        """
-        off = msg.offset = self.next_offset
-        self.next_offset = off + 1
-        e = self._epoch
-        recs = e.recs
-        if not recs:
-            if not e.ops and self.on_pending is not None:
-                self.on_pending()
-            self._tail.append(e)
-        qos = msg.qos
-        client_b = self._client_bytes.get(msg.client_id)
-        if client_b is None:
-            client_b = self._client_id_bytes(msg.client_id)
-        recs.append((int(msg.timestamp * 1_000_000), (qos | 4 if msg.retain else qos) | (8 if private else 0),
-                     topic_b or msg.topic_bytes, client_b, properties_block(msg) if msg.properties else _EMPTY,
-                     msg.payload, packet_id))
-        if qos:
-            e.durable = True
-        elif len(recs) >= _SEAL_RECORDS and not e.durable:
-            self.seal()
-        return off
-
-    def append_record(self, ts_us, qos, retain, topic_b, client_id, props_b, payload, packet_id=0,
-                      private=False):
-        """Append one record from its fields (no Message needed); return its offset."""
-        off = self.next_offset
-        self.next_offset = off + 1
-        e = self._epoch
-        recs = e.recs
-        if not recs:
-            if not e.ops and self.on_pending is not None:
-                self.on_pending()
-            self._tail.append(e)
-        client_b = self._client_bytes.get(client_id)
-        if client_b is None:
-            client_b = self._client_id_bytes(client_id)
-        recs.append((ts_us, (qos | 4 if retain else qos) | (8 if private else 0), topic_b, client_b,
-                     props_b, payload, packet_id))
-        if qos:
-            e.durable = True
-        elif len(recs) >= _SEAL_RECORDS and not e.durable:
-            self.seal()
-        return off
-
-    def _client_id_bytes(self, cid):
-        if len(self._client_bytes) > 100_000:
-            self._client_bytes.clear()
-        b = self._client_bytes[cid] = cid.encode()
-        return b
-
-    def op(self, statement, params, durable=True):
-        """Queue a state change for this epoch; `durable` ones hold output until committed."""
-        e = self._epoch
-        if not e.recs and not e.ops and self.on_pending is not None:
-            self.on_pending()
-        e.ops.append((statement, params))
-        if durable:
-            e.durable = True
-
     @property
     def pending(self):
         e = self._epoch
@@ -262,7 +159,7 @@ class Store:
         An epoch with acknowledged messages or durable state changes goes at once (under
         every fsync mode a kill -9 must not lose them once acknowledged). Otherwise (QoS 0
         only) it keeps growing for up to SEAL_DELAY, or until `append` seals it at
-        _SEAL_RECORDS: each hand-over wakes the writer thread, and each wake-up costs the
+        _epoch.SEAL_RECORDS: each hand-over wakes the writer thread, and each wake-up costs the
         loop the GIL (a quarter of the broker's CPU at 100k QoS 0 msg/s, see
         docs/BENCHMARKS.md).
         """
@@ -276,16 +173,6 @@ class Store:
     @property
     def last_sealed(self):
         return self._last_id
-
-    def seal(self):
-        """Hand the current epoch to the writer; return its id (0 if it was empty)."""
-        e = self._epoch
-        if not e.recs and not e.ops:
-            return 0
-        self._last_id = e.id
-        self._epoch = _Epoch(e.id + 1, self.next_offset)
-        self._queue.put(e)
-        return e.id
 
     def _written(self, eid, through):
         """Loop side of the writer's report."""

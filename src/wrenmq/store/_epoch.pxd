@@ -1,0 +1,18 @@
+# C types for _epoch.py when setup.py compiles it (Cython's augmenting .pxd); the .py
+# stays plain Python and is the one truth of what the code does.
+
+cdef class Epoch:
+    cdef public object id
+    cdef public long long base
+    cdef public list recs
+    cdef public list ops
+    cdef public bint durable
+
+cdef class EpochAppender:
+    cdef public long long next_offset
+    cdef public Epoch _epoch
+    cdef public object _tail
+    cdef public dict _client_bytes
+    cdef public object on_pending
+    cdef public object _queue
+    cdef public object _last_id

@@ -1,0 +1,103 @@
+"""The log's per-message steps (store/_epoch.py): compiled and from source, the same records.
+
+`Store.append` and `Store.append_record` live in `_epoch`, which the install compiles
+(its types are in `_epoch.pxd`). Here a real Store takes the same appends once with the
+compiled module and once with the Python source (WRENMQ_PURE_PYTHON=1, in a child
+process), reads them back from memory before the writer has them and from the log
+files after it wrote them, and both runs must print the expected records.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import wrenmq.store._epoch as epoch
+from wrenmq._compiled import compiled
+from wrenmq.store.store import Store
+
+SCENARIO = r"""
+import asyncio, json, sys
+from wrenmq.broker.message import Message
+from wrenmq.config import load
+from wrenmq.store import _epoch, store
+from wrenmq.store.log import LogReader
+
+def rows(records):
+    return [[r.offset, r.timestamp, r.qos, r.retain, r.topic, r.client_id, r.properties.hex(),
+             r.payload.hex(), r.packet_id, r.private] for r in records]
+
+async def main(data_dir):
+    cfg = load(text="[storage]\nfsync = 'never'\n")
+    cfg.storage.data_dir = data_dir
+    st = store.Store(cfg)
+    pending = []
+    st.on_pending = lambda: pending.append(st.next_offset - 1)  # the offset being appended
+    offsets = []
+    for i in range(2 * _epoch.SEAL_RECORDS + 7):  # QoS 0 epochs seal themselves when full
+        qos = (0, 0, 0, 1, 2)[i % 5]
+        if i % 3:
+            offsets.append(st.append_record(1_000_000 + i, qos, i % 7 == 0, b"t/%d" % (i % 4),
+                                            "dev-%d" % (i % 2), b"", b"p%d" % i,
+                                            i % 65536 if qos == 2 else 0, i % 11 == 0))
+        else:
+            m = Message("m/%d" % (i % 3), b"x" * (i % 50), qos, i % 2 == 0,
+                        {"content_type": "a/b"} if i % 6 == 0 else {}, None, "dev-%d" % (i % 2),
+                        None, None, False, 2.5 + i)
+            offsets.append(st.append(m, 7 if qos == 2 else 0))
+            assert m.offset == offsets[-1]
+        if i % 500 == 499:
+            st.seal()
+    durable = st.seal_due
+    memory = rows(st.read(0, 100_000))
+    st.start(asyncio.get_running_loop())
+    st.close()
+    disk = rows(LogReader(st.log_dir).records(0, 100_000, private=True))
+    print(json.dumps({"offsets": offsets, "pending": pending, "durable": durable,
+                      "memory": memory, "disk": disk, "compiled": _epoch.__file__.endswith(".so")}))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def _run(tmp_path, name, pure):
+    env = dict(os.environ)
+    env.pop("WRENMQ_PURE_PYTHON", None)
+    if pure:
+        env["WRENMQ_PURE_PYTHON"] = "1"
+    out = subprocess.run([sys.executable, "-c", SCENARIO, str(tmp_path / name)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_the_install_compiled_it_and_store_uses_it():
+    assert compiled(epoch), f"store/_epoch.py was not compiled by the install: {epoch.__file__}"
+    assert Store.append_record is epoch.EpochAppender.append_record
+
+
+def test_compiled_and_source_append_the_same_records(tmp_path):
+    built = _run(tmp_path, "built", pure=False)
+    source = _run(tmp_path, "source", pure=True)
+    assert built["compiled"] and not source["compiled"]
+    n = 2 * epoch.SEAL_RECORDS + 7
+    assert built["offsets"] == list(range(n))
+    assert built["durable"] is True  # the last epoch holds QoS 1/2 records
+    # The broker is told once per epoch that something is pending: at 0, after every seal.
+    assert built["pending"][0] == 0 and len(built["pending"]) >= n // 500
+    assert len(built["memory"]) == n and built["memory"] == built["disk"]
+    by_offset = {r[0]: r for r in built["disk"]}
+    # Spot checks against what was appended (the flags and the two paths).
+    r = by_offset[1]  # append_record: QoS 0, not retained, not private
+    assert r[1:] == [1_000_001, 0, False, "t/1", "dev-1", "", b"p1".hex(), 0, False]
+    r = by_offset[44]  # append_record: i % 11 == 0 -> private; QoS 2 keeps the packet id
+    assert r[2] == 2 and r[8] == 44 and r[9] is True
+    r = by_offset[14]  # append_record: i % 7 == 0 -> retained
+    assert r[3] is True and r[9] is False
+    r = by_offset[18]  # append (a Message): QoS 1, retained, properties stored
+    assert r[1:6] == [20_500_000, 1, True, "m/0", "dev-0"] and r[6] != "" and r[7] == (b"x" * 18).hex()
+    r = by_offset[9]  # append: QoS 2 with the publisher's packet id
+    assert r[2] == 2 and r[8] == 7 and r[6] == ""
+    for key in ("offsets", "durable", "memory", "disk"):
+        assert built[key] == source[key], key
+    assert built["pending"] == source["pending"]

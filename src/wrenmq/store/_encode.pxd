@@ -41,3 +41,6 @@ cdef extern from *:
     """
     unsigned int wrenmq_crc32c(unsigned int crc, const char *data, size_t n) nogil
     int wrenmq_crc32c_available() nogil
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.string cimport memcpy, memset

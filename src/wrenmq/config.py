@@ -148,6 +148,10 @@ class StorageSection:
     fsync_interval_ms: int = _key(100, "Period of fsync under fsync = \"interval\".", 1, 60000)
     checkpoint_interval_ms: int = _key(1000, "How often session cursors are saved (a crash redelivers "
                                        "at most this much QoS 1 traffic, never loses any).", 10, 600000)
+    max_unwritten_bytes: int = _key(16777216, "Messages accepted but not yet written to the log, at most "
+                                    "(bytes): past it, publishers are read again only once the writer "
+                                    "has caught up, so a slow disk slows them instead of filling memory.",
+                                    65536)
 
 
 @dataclass

@@ -224,6 +224,14 @@ class Broker:
             self.loop.call_soon(self._resume_yielded)
 
     def _resume_yielded(self):
+        if not self._yielded:
+            return
+        store = self.store
+        if store is not None and store.behind and store.wait_drained(self._resume_yielded):
+            # The log writer is behind (a slow disk, or a flood on a busy machine): these
+            # readers wait for it, so the records it has yet to write stay bounded.
+            store.reader_waits += 1
+            return
         conns = self._yielded
         self._yielded = []
         for conn in conns:
@@ -427,6 +435,8 @@ class Broker:
             "$SYS/broker/log/appended": store.appended,
             "$SYS/broker/log/bytes_appended": store.bytes_appended,
             "$SYS/broker/log/retention/lost": store.lost_to_retention,
+            "$SYS/broker/log/unwritten_bytes": store.unwritten_bytes,
+            "$SYS/broker/log/writer_waits": store.reader_waits,
         }
         if store.log is not None:
             values["$SYS/broker/log/segments"] = len(store.log.segments)

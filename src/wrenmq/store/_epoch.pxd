@@ -7,6 +7,8 @@ cdef class Epoch:
     cdef public list recs
     cdef public list ops
     cdef public bint durable
+    cdef public long long nbytes
+    cdef public long long count
 
 cdef class EpochAppender:
     cdef public long long next_offset
@@ -16,3 +18,4 @@ cdef class EpochAppender:
     cdef public object on_pending
     cdef public object _queue
     cdef public object _last_id
+    cdef public long long sealed_bytes

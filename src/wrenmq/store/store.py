@@ -20,7 +20,7 @@ import threading
 import time
 
 from ..mqtt.codec import decode_properties, encode_varint
-from ._epoch import Epoch, EpochAppender, properties_block  # noqa: F401 (properties_block: re-exported)
+from ._epoch import Epoch, EpochAppender, as_record, properties_block  # noqa: F401 (properties_block: re-exported)
 from .format import encode_batch_parts
 from .log import CommitLog, LogReader
 from .state import META_SET, StateDB
@@ -59,6 +59,7 @@ def encode_records(base, recs):
 
 # Records per batch at most: the encoder holds the GIL ~1 ms for 2048 x 1 KiB (5.7 ms for 8192).
 _BATCH_RECORDS = 2048
+_BATCH_BYTES = 1 << 20  # and bytes: the writer frees (and the loop reuses) a batch's memory once written
 SEAL_DELAY = 0.02  # seconds a QoS 0-only epoch may keep growing before it is written
 
 
@@ -118,6 +119,15 @@ class Store(EpochAppender):
         self._client_bytes = {}
         self.written_through = self.next_offset
         self._queue = queue.SimpleQueue()
+        # Record bytes handed to the writer (loop) and written by it (writer thread); each
+        # counter has one writer, so their difference is read without a lock.
+        self.sealed_bytes = 0
+        self.written_bytes = 0
+        self.max_unwritten = st.max_unwritten_bytes
+        self._drained = None  # loop callback once unwritten bytes fall to _drain_at
+        self._drain_at = None
+        self.reader_waits = 0  # times publishers waited for the writer (the broker counts them)
+        self.unwritten_peak = 0  # the most unwritten bytes the writer has found queued
         self._thread = None
         self.failed = None
         self.appended = 0
@@ -174,19 +184,45 @@ class Store(EpochAppender):
     def last_sealed(self):
         return self._last_id
 
+    @property
+    def unwritten_bytes(self):
+        """Bytes of sealed records the writer has not written yet."""
+        return self.sealed_bytes - self.written_bytes
+
+    @property
+    def behind(self):
+        """True if the writer is more than `max_unwritten_bytes` behind the loop."""
+        return self.sealed_bytes - self.written_bytes > self.max_unwritten
+
+    def wait_drained(self, callback):
+        """Have the loop call `callback` once the writer is down to half the limit.
+
+        Returns False (and will not call) if it already is. Either thread may see the
+        level first; `callback` must tolerate a spurious second call.
+        """
+        self._drained = callback
+        self._drain_at = self.max_unwritten // 2
+        if self.sealed_bytes - self.written_bytes <= self._drain_at or self.failed is not None:
+            self._drain_at = None
+            return False
+        return True
+
     def _written(self, eid, through):
         """Loop side of the writer's report."""
         self.durable_id = eid
         self.written_through = through
         tail = self._tail
         # Keep only epochs not yet readable from disk.
-        while tail and tail[0] is not self._epoch and tail[0].base + len(tail[0].recs) <= through:
+        while tail and tail[0] is not self._epoch and tail[0].end <= through:
             tail.popleft()
         if self.on_durable is not None:
             self.on_durable(eid)
 
     def _failed(self, exc):
         self.failed = exc
+        if self._drain_at is not None:  # nothing will be written now: let the readers go
+            self._drain_at = None
+            self._drained()
         if self.on_error is not None:
             self.on_error(exc)
 
@@ -225,27 +261,39 @@ class Store(EpochAppender):
                     e = q.get_nowait()
                 except queue.Empty:
                     break
+            unwritten = self.sealed_bytes - self.written_bytes
+            if unwritten > self.unwritten_peak:
+                self.unwritten_peak = unwritten
             try:
                 through = None
                 ops = []
                 # Consecutive epochs are contiguous in offsets: write them as few batches.
                 base = None
                 recs = []
+                held = []  # epochs whose records are in recs
+                nbytes = 0
                 for ep in epochs:
                     if ep.recs:
                         if base is None:
                             base = ep.base
                         recs.extend(ep.recs)
-                        if len(recs) >= _BATCH_RECORDS:
+                        held.append(ep)
+                        nbytes += ep.nbytes
+                        if len(recs) >= _BATCH_RECORDS or nbytes >= _BATCH_BYTES:
                             self._append(base, recs)
+                            self._release(held)
                             base = None
                             recs = []
+                            held = []
+                            nbytes = 0
                             dirty = True
-                    through = ep.base + len(ep.recs)
+                    through = ep.end
                     ops.extend(ep.ops)
                 if recs:
                     self._append(base, recs)
+                    self._release(held)
                     dirty = True
+                recs = held = None
                 if through is not None:
                     # Recovery rescans the log from here for what SQLite may not have seen.
                     ops.append((META_SET, ("log_through", str(through))))
@@ -277,6 +325,23 @@ class Store(EpochAppender):
                 unreported = None
                 last_report = time.monotonic()
 
+    def _release(self, epochs):
+        """Writer side: these epochs are written (in the page cache, readable from the
+        files). Free their payloads now, not when the loop hears of it, so the loop reuses
+        that memory while it is warm; wake the loop if it waits for the writer."""
+        n = 0
+        for ep in epochs:
+            n += ep.nbytes
+            ep.release()
+        self.written_bytes += n
+        at = self._drain_at
+        if at is not None and self.sealed_bytes - self.written_bytes <= at:
+            self._drain_at = None
+            try:
+                self.loop.call_soon_threadsafe(self._drained)
+            except RuntimeError:  # loop closed during shutdown
+                pass
+
     def _append(self, base, recs):
         data, first_ts, max_ts = encode_records(base, recs)
         self.log.append(data, base, len(recs), first_ts, max_ts)
@@ -288,36 +353,48 @@ class Store(EpochAppender):
     def read(self, start, limit):
         """Up to `limit` records (format.Record) with offset >= start, in order.
 
-        Recent offsets come from memory (they may not be on disk yet), older ones from
-        the log files; private records included (the caller is the broker).
+        Offsets the writer has not written yet come from memory, the rest from the log
+        files; private records included (the caller is the broker). Runs on the loop
+        while the writer may release epochs: each epoch's records are taken once.
         """
         out = []
         if start >= self.next_offset:
             return out
-        tail = self._tail
-        mem_base = tail[0].base if tail else self.next_offset
-        if start < mem_base:
-            reader = self._disk_reader()
-            end = min(mem_base, start + limit)
-            for rec in reader.records(start, end, private=True):
-                out.append(rec)
-            if not out or out[-1].offset + 1 < end:
-                # Retention deleted what was asked for, or the files end early: return
-                # only a contiguous run so the caller never skips a record.
-                return out
-            start = end
-        for ep in list(tail):
+        for ep in list(self._tail):
             if len(out) >= limit:
-                break
-            n = len(ep.recs)
-            if ep.base + n <= start:
+                return out
+            recs = ep.recs  # the writer may release them any time; this reference stays
+            if recs is None:  # written: read from the files with whatever precedes
                 continue
-            i = start - ep.base
+            base = ep.base
+            n = len(recs)
+            if base + n <= start:
+                continue
+            if start < base:  # everything before an epoch still in memory is written
+                if not self._read_disk(start, min(base, start + limit - len(out)), out):
+                    return out
+                start = out[-1].offset + 1
+                if start < base:
+                    return out
+            i = start - base
             while i < n and len(out) < limit:
-                out.append(ep.record(i))
+                out.append(as_record(base + i, recs[i]))
                 i += 1
-            start = ep.base + i
+            start = base + i
+        if len(out) < limit and start < self.next_offset:
+            # After the last epoch still in memory, or no epoch is: on disk.
+            self._read_disk(start, min(self.next_offset, start + limit - len(out)), out)
         return out
+
+    def _read_disk(self, start, end, out):
+        """Append the records start..end-1 from the log files to `out`; False if they
+        did not all come (retention deleted them, or the files end early): the caller
+        then returns only the contiguous run so far, so no record is ever skipped."""
+        if start >= end:
+            return True
+        for rec in self._disk_reader().records(start, end, private=True):
+            out.append(rec)
+        return bool(out) and out[-1].offset + 1 >= end
 
     def _disk_reader(self):
         if self._reader is None:

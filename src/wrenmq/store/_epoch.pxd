@@ -1,6 +1,9 @@
 # C types for _epoch.py when setup.py compiles it (Cython's augmenting .pxd); the .py
 # stays plain Python and is the one truth of what the code does.
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(object o)
+
 cdef class Epoch:
     cdef public object id
     cdef public long long base

@@ -9,6 +9,12 @@ calls, their bodies become C. Uncompiled it is the same code, only slower; `stor
 is a subclass of `EpochAppender` either way.
 """
 
+try:
+    import cython
+    COMPILED = cython.compiled
+except ImportError:  # Cython is only needed to build; the source runs without it
+    COMPILED = False
+
 from ..mqtt.codec import encode_properties
 from .format import Record
 
@@ -115,7 +121,12 @@ class EpochAppender:
             flags |= 4
         if private:
             flags |= 8
-        recs.append((ts_us, flags, topic_b, client_b, props_b, payload, packet_id))
+        rec = (ts_us, flags, topic_b, client_b, props_b, payload, packet_id)
+        if COMPILED:
+            # Only ints and bytes: it can be in no cycle. Untracked, the cycle collector does
+            # not walk the records an epoch holds (they outlive the young generation).
+            PyObject_GC_UnTrack(rec)  # noqa: F821 (declared in _epoch.pxd)
+        recs.append(rec)
         e.nbytes += len(payload) + RECORD_OVERHEAD
         if qos:
             e.durable = True

@@ -160,6 +160,12 @@ class LogSection:
     topics: list = _key(["#"], "MQTT filters of the topics recorded ($SYS is never recorded).")
     segment_bytes: int = _key(67108864, "Size at which a new segment file is started.", 4096)
     index_interval_bytes: int = _key(4096, "Bytes of log between two sparse index entries.", 64)
+    direct_io: bool = _key(False, "Write the log's whole 4 KiB blocks with O_DIRECT where the filesystem "
+                           "allows it (the partial last block goes through the page cache): the "
+                           "device copies the bytes, not the CPU, and the log does not fill the page "
+                           "cache. Pays off for sustained floods of large payloads where new "
+                           "page-cache pages are dear (docs/BENCHMARKS.md); readers of recent "
+                           "records then read them from the disk.")
     retention_bytes: int = _key(0, "Delete the oldest segments while the log is larger (0 = no size limit).", 0)
     retention_hours: float = _key(168.0, "Delete segments whose newest record is older (0 = keep forever).", 0)
     retention_check_interval: float = _key(30.0, "Seconds between retention checks.", 0.1, 86400)

@@ -21,7 +21,9 @@ appends, segment rolling, syncing and retention.
 """
 
 import bisect
+import errno
 import logging
+import mmap
 import os
 import re
 import struct
@@ -38,6 +40,7 @@ _AUX_RE = re.compile(r"^(\d{20})\.(?:index|timeindex)(?:\.tmp)?$")
 _INDEX_ENTRY = struct.Struct("<II")
 _TIME_ENTRY = struct.Struct("<qII")
 _READ_CHUNK = 1 << 20
+_BLOCK = 4096  # O_DIRECT writes: whole blocks of this size, at multiples of it, from aligned memory
 
 
 def segment_name(base):
@@ -841,9 +844,17 @@ def _matcher(filters):
 
 
 class CommitLog(LogReader):
-    """The writer side of a partition. Append and sync from one thread only."""
+    """The writer side of a partition. Append and sync from one thread only.
 
-    def __init__(self, directory, segment_bytes=64 << 20, index_interval_bytes=4096):
+    With `direct_io` (where the filesystem allows O_DIRECT) the whole 4 KiB blocks of
+    each append go to the device from an aligned buffer of the log's own, and only the
+    partial block at the end is written through the page cache: a buffered write copies
+    every byte into page-cache pages, which cost the broker ~2 us of CPU per KiB on a VM
+    whose memory is new to it (docs/BENCHMARKS.md), O_DIRECT ~0.06. The file's bytes,
+    size and durability (`sync`) are the same either way.
+    """
+
+    def __init__(self, directory, segment_bytes=64 << 20, index_interval_bytes=4096, direct_io=False):
         os.makedirs(directory, exist_ok=True)
         self.segment_bytes = segment_bytes
         self.index_interval = index_interval_bytes
@@ -851,6 +862,10 @@ class CommitLog(LogReader):
         self._wfd = None
         self._ifd = None
         self._tfd = None
+        self.direct_io = direct_io and hasattr(os, "O_DIRECT")
+        self._dfd = None  # the active segment opened with O_DIRECT
+        self._partial = b""  # the active segment's bytes after its last whole block
+        self._stage = None  # page-aligned buffer for O_DIRECT writes
         _remove_orphans(str(directory))
         super().__init__(directory)
         self._recover()
@@ -967,12 +982,28 @@ class CommitLog(LogReader):
         self._wfd = os.open(seg.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._ifd = os.open(seg.index_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._tfd = os.open(seg.time_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if self.direct_io:
+            try:
+                self._dfd = os.open(seg.log_path, os.O_WRONLY | os.O_DIRECT)
+            except OSError as e:  # tmpfs and some others: EINVAL
+                log.info("%s: no O_DIRECT here (%s); the log is written through the page cache",
+                         self.dir, e)
+                self.direct_io = False
+                self._dfd = None
+            start = seg.size - seg.size % _BLOCK
+            self._partial = b""
+            if self._dfd is not None and seg.size > start:
+                fd = os.open(seg.log_path, os.O_RDONLY)
+                try:
+                    self._partial = os.pread(fd, seg.size - start, start)
+                finally:
+                    os.close(fd)
 
     def _close_files(self):
-        for fd in (self._wfd, self._ifd, self._tfd):
+        for fd in (self._wfd, self._ifd, self._tfd, self._dfd):
             if fd is not None:
                 os.close(fd)
-        self._wfd = self._ifd = self._tfd = None
+        self._wfd = self._ifd = self._tfd = self._dfd = None
 
     def _open_segment(self, base):
         seg = Segment(self.dir, base)
@@ -1002,7 +1033,12 @@ class CommitLog(LogReader):
             seg = self.segments[-1]
         pos = seg.size
         try:
-            _write_parts(self._wfd, parts)
+            if self._dfd is not None and len(self._partial) + size >= _BLOCK:
+                self._write_direct(pos, parts, size)
+            else:
+                _write_parts(self._wfd, parts)
+                if self._dfd is not None:
+                    self._partial += b"".join(parts)
         except OSError:
             # Disk full or an I/O error: take a partial batch back off so later appends
             # (and their index entries) still land where the segment says it ends.
@@ -1022,6 +1058,57 @@ class CommitLog(LogReader):
         seg.next_offset = base + count
         seg.size = seg.scanned = pos + size
 
+    def _write_direct(self, pos, parts, size):
+        """Write `parts` at `pos`: the whole blocks from the start of pos's block (the
+        partial block's bytes again, then the new ones) with O_DIRECT, the rest appended
+        through the page cache. O_DIRECT first writes back and drops any cached copy of
+        the range, so readers never see stale bytes."""
+        partial = self._partial
+        total = len(partial) + size
+        whole = total - total % _BLOCK
+        if self._stage is None or len(self._stage) < whole:
+            if self._stage is not None:
+                self._stage.close()
+            self._stage = mmap.mmap(-1, max(whole, 2 << 20))  # page-aligned, as O_DIRECT needs
+        view = memoryview(self._stage)
+        try:
+            view[:len(partial)] = partial
+            at = len(partial)
+            after = []  # what follows the last whole block
+            for p in parts:
+                end = at + len(p)
+                if end <= whole:
+                    view[at:end] = p
+                elif at >= whole:
+                    after.append(p)
+                else:
+                    cut = whole - at
+                    view[at:whole] = memoryview(p)[:cut]
+                    after.append(memoryview(p)[cut:])
+                at = end
+            rest = b"".join(after)
+            block_start = pos - len(partial)
+            try:
+                written = os.pwrite(self._dfd, view[:whole], block_start)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                # The filesystem refused this alignment after all: stay buffered from now on.
+                log.info("%s: O_DIRECT write refused (%s); the log is written through the page cache",
+                         self.dir, e)
+                os.close(self._dfd)
+                self._dfd = None
+                self.direct_io = False
+                _write_parts(self._wfd, parts)
+                return
+        finally:
+            view.release()
+        if written != whole:
+            raise OSError(errno.EIO, f"short O_DIRECT write ({written} of {whole} bytes)")
+        if rest:
+            _write_parts(self._wfd, (rest,))
+        self._partial = rest
+
     def sync(self):
         if self._wfd is not None:
             os.fdatasync(self._wfd)
@@ -1038,6 +1125,9 @@ class CommitLog(LogReader):
         if self._wfd is not None:
             self.sync()
         self._close_files()
+        if self._stage is not None:
+            self._stage.close()
+            self._stage = None
         super().close()
 
     # --- retention -----------------------------------------------------------

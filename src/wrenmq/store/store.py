@@ -102,7 +102,7 @@ class Store(EpochAppender):
         self.log_dir = os.path.join(self.data_dir, "log", self.node_id)
         # The log exists even with [log] enabled = false: it then holds only the private
         # records that keep messages owed to persistent sessions across restarts.
-        self.log = CommitLog(self.log_dir, lg.segment_bytes, lg.index_interval_bytes)
+        self.log = CommitLog(self.log_dir, lg.segment_bytes, lg.index_interval_bytes, lg.direct_io)
         self._reader = None
         sync = {"always": "FULL", "interval": "NORMAL", "never": "OFF"}[st.fsync]
         self.db = StateDB(os.path.join(self.data_dir, "state.db"), sync)

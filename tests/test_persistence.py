@@ -877,43 +877,39 @@ def test_fsync_modes_keep_everything_over_clean_restart(durable, pc, fsync):
 # --- the offline queue beyond max_queued_messages ----------------------------------------------
 
 
+def _owed_past_the_queue(b, pc, prefix, bodies, how):
+    """A persistent session subscribed to `prefix/#` goes offline; `bodies` are published
+    at QoS 1 (more than its queue holds), the broker restarts `how` (None: not at all)
+    and the session comes back. Returns (its client, the messages it got)."""
+    cid = uid(prefix)
+    s = persistent(pc, b.port, 4, cid)
+    sub(s, f"{prefix}/#", 1)
+    go_offline(b, s, cid)
+    p = pc(b.port, version=4)
+    publish_many(p, [(f"{prefix}/{i % 3}", body, 1) for i, body in enumerate(bodies)])
+    p.disconnect()
+    if how:
+        b.restart(how)
+    s2 = persistent(pc, b.port, 4, cid)
+    assert session_present(s2)
+    return s2, get_messages(s2, len(bodies), timeout=10)
+
+
 @pytest.mark.parametrize("how", [None, "stop", "kill"])
 def test_direct_io_log_is_read_back_and_survives_restarts(durable, pc, how):
     """[log] direct_io = true: messages of a few KiB (so appends cross 4 KiB blocks and
     take the O_DIRECT path) owed to an offline session beyond its in-memory queue are read
     back from the log files, also after a stop or kill -9."""
     b = durable('[log]\ndirect_io = true\n[limits]\nmax_queued_messages = 10\n')
-    cid = uid("dio")
-    s = persistent(pc, b.port, 4, cid)
-    sub(s, "dio/#", 1)
-    go_offline(b, s, cid)
-    p = pc(b.port, version=4)
     body = [(b"%05d" % i) * (300 + 97 * (i % 13)) for i in range(150)]
-    publish_many(p, [(f"dio/{i % 3}", body[i], 1) for i in range(150)])
-    p.disconnect()
-    if how:
-        b.restart(how)
-    s2 = persistent(pc, b.port, 4, cid)
-    assert session_present(s2)
-    got = get_messages(s2, 150, timeout=10)
+    _, got = _owed_past_the_queue(b, pc, "dio", body, how)
     assert payloads(got) == body
 
 
 @pytest.mark.parametrize("how", [None, "stop", "kill"])
 def test_queue_overflow_is_read_back_from_the_log(durable, pc, how):
     b = durable('[limits]\nmax_queued_messages = 10\n[sys]\ninterval = 0.2\n')
-    cid = uid("ovf")
-    s = persistent(pc, b.port, 4, cid)
-    sub(s, "ovf/#", 1)
-    go_offline(b, s, cid)
-    p = pc(b.port, version=4)
-    publish_many(p, [(f"ovf/{i % 3}", b"%d" % i, 1) for i in range(200)])
-    p.disconnect()
-    if how:
-        b.restart(how)
-    s2 = persistent(pc, b.port, 4, cid)
-    assert session_present(s2)
-    got = get_messages(s2, 200, timeout=10)
+    s2, got = _owed_past_the_queue(b, pc, "ovf", [b"%d" % i for i in range(200)], how)
     assert payloads(got) == [b"%d" % i for i in range(200)], \
         f"got {len(got)} of 200 (first missing: {next((i for i, m in enumerate(got) if m.payload != b'%d' % i), len(got))})"
     no_message(s2, 0.3)

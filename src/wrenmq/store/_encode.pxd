@@ -44,3 +44,6 @@ cdef extern from *:
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.string cimport memcpy, memset
+
+# A C call from both encoders' loops (once per run of records with one topic and client).
+cdef object _topic_client_crc(dict cache, bytes topic, bytes client)

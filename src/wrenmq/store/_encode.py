@@ -28,6 +28,17 @@ _OWN_PARTS = 2048  # average payload size from which payloads go to writev as th
 # (measured: 1 KiB gains nothing, 2 KiB and 4 KiB save 10-45% of the writer's CPU per record)
 
 
+def _topic_client_crc(cache, topic, client):
+    """The CRC-32C of a record's topic then client id (where its checksum starts), cached
+    per (topic, client) pair."""
+    key = (topic, client)
+    crc = cache.get(key)
+    if crc is None:
+        crc = _crc(client, _crc(topic)) if len(client) else _crc(topic)
+        cache[key] = crc
+    return crc
+
+
 def encode_records(base, recs: list):
     """Record tuples (timestamp, flags, topic, client, props, payload, packet id) for
     offsets base.. as one batch: (parts, first timestamp, max timestamp).
@@ -103,11 +114,7 @@ def _encode_without_gil(base, recs: list):
         flag_v[i] = rec[1]
         pid_v[i] = rec[6]
         if topic is not last_topic or client is not last_client:
-            key = (topic, client)
-            prefix = cache.get(key)
-            if prefix is None:
-                prefix = _crc(client, _crc(topic)) if len(client) else _crc(topic)
-                cache[key] = prefix
+            prefix = _topic_client_crc(cache, topic, client)
             last_topic = topic
             last_client = client
         crc_v[i] = prefix
@@ -196,8 +203,9 @@ def _encode_without_gil(base, recs: list):
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def _encode_with_gil(base, recs: list):
-    """The encoder as one loop over the records with the GIL held: the uncompiled module,
-    and the compiled one on a CPU without the CRC-32C instruction."""
+    """The encoder as one loop over the records with the GIL held and `crc32c` for every
+    checksum: the uncompiled module, and the compiled one on a CPU without the CRC-32C
+    instruction."""
     n: cython.Py_ssize_t = len(recs)
     i: cython.Py_ssize_t
     topic_end: cython.Py_ssize_t = 0
@@ -212,7 +220,6 @@ def _encode_with_gil(base, recs: list):
     props: bytes
     payload: bytes
     crc: cython.uint
-    hw: cython.bint = HW_CRC
 
     ts_col = array("q", bytes(8 * n))
     crc_col = array("I", bytes(4 * n))
@@ -255,22 +262,13 @@ def _encode_with_gil(base, recs: list):
         if topic is not last_topic or client is not last_client:
             # Records come in runs from one publisher on one topic (one read's worth):
             # the same two objects as the record before need no key and no lookup.
-            key = (topic, client)
-            prefix = cache.get(key)
-            if prefix is None:
-                prefix = _crc(client, _crc(topic)) if len(client) else _crc(topic)
-                cache[key] = prefix
+            prefix = _topic_client_crc(cache, topic, client)
             last_topic = topic
             last_client = client
         crc = prefix
-        if hw:
-            if len(props):
-                crc = wrenmq_crc32c(crc, props, len(props))  # noqa: F821
-            crc_v[i] = wrenmq_crc32c(crc, payload, len(payload))  # noqa: F821
-        else:
-            if len(props):
-                crc = _crc(props, crc)
-            crc_v[i] = _crc(payload, crc)
+        if len(props):
+            crc = _crc(props, crc)
+        crc_v[i] = _crc(payload, crc)
         topic_end += len(topic)
         client_end += len(client)
         props_end += len(props)
@@ -305,11 +303,7 @@ def _encode_with_gil(base, recs: list):
     joined = b"".join(head)
     crc = _crc(joined)
     for i in range(n):
-        payload = payloads[i]
-        if hw:
-            crc = wrenmq_crc32c(crc, payload, len(payload))  # noqa: F821
-        else:
-            crc = _crc(payload, crc)
+        crc = _crc(payloads[i], crc)
     parts = [None, joined, *payloads]
     if pad:
         zeros = b"\0" * pad

@@ -986,10 +986,7 @@ class CommitLog(LogReader):
             try:
                 self._dfd = os.open(seg.log_path, os.O_WRONLY | os.O_DIRECT)
             except OSError as e:  # tmpfs and some others: EINVAL
-                log.info("%s: no O_DIRECT here (%s); the log is written through the page cache",
-                         self.dir, e)
-                self.direct_io = False
-                self._dfd = None
+                self._stop_direct(e)
             start = seg.size - seg.size % _BLOCK
             self._partial = b""
             if self._dfd is not None and seg.size > start:
@@ -1093,12 +1090,7 @@ class CommitLog(LogReader):
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                # The filesystem refused this alignment after all: stay buffered from now on.
-                log.info("%s: O_DIRECT write refused (%s); the log is written through the page cache",
-                         self.dir, e)
-                os.close(self._dfd)
-                self._dfd = None
-                self.direct_io = False
+                self._stop_direct(e)  # the filesystem refused this alignment after all
                 _write_parts(self._wfd, parts)
                 return
         finally:
@@ -1108,6 +1100,14 @@ class CommitLog(LogReader):
         if rest:
             _write_parts(self._wfd, (rest,))
         self._partial = rest
+
+    def _stop_direct(self, why):
+        """Write through the page cache from now on."""
+        log.info("%s: no O_DIRECT here (%s); the log is written through the page cache", self.dir, why)
+        if self._dfd is not None:
+            os.close(self._dfd)
+            self._dfd = None
+        self.direct_io = False
 
     def sync(self):
         if self._wfd is not None:

@@ -192,7 +192,7 @@ class Store(EpochAppender):
     @property
     def behind(self):
         """True if the writer is more than `max_unwritten_bytes` behind the loop."""
-        return self.sealed_bytes - self.written_bytes > self.max_unwritten
+        return self.unwritten_bytes > self.max_unwritten
 
     def wait_drained(self, callback):
         """Have the loop call `callback` once the writer is down to half the limit.
@@ -202,7 +202,7 @@ class Store(EpochAppender):
         """
         self._drained = callback
         self._drain_at = self.max_unwritten // 2
-        if self.sealed_bytes - self.written_bytes <= self._drain_at or self.failed is not None:
+        if self.unwritten_bytes <= self._drain_at or self.failed is not None:
             self._drain_at = None
             return False
         return True
@@ -261,7 +261,7 @@ class Store(EpochAppender):
                     e = q.get_nowait()
                 except queue.Empty:
                     break
-            unwritten = self.sealed_bytes - self.written_bytes
+            unwritten = self.unwritten_bytes
             if unwritten > self.unwritten_peak:
                 self.unwritten_peak = unwritten
             try:
@@ -335,7 +335,7 @@ class Store(EpochAppender):
             ep.release()
         self.written_bytes += n
         at = self._drain_at
-        if at is not None and self.sealed_bytes - self.written_bytes <= at:
+        if at is not None and self.unwritten_bytes <= at:
             self._drain_at = None
             try:
                 self.loop.call_soon_threadsafe(self._drained)

@@ -874,6 +874,20 @@ def test_fsync_modes_keep_everything_over_clean_restart(durable, pc, fsync):
     assert payloads(get_messages(s, 1)) == [b"x"]
 
 
+def test_interval_fsyncs_are_counted_and_kill_loses_nothing(durable, pc):
+    """fsync = "interval": the periodic fdatasync (on a thread of its own, beside the
+    writer) happens and is counted in $SYS/broker/log/syncs; what was acknowledged is in
+    the log after a kill -9."""
+    b = durable('[storage]\nfsync = "interval"\nfsync_interval_ms = 20\n[sys]\ninterval = 0.2\n')
+    p = pc(b.port, version=4)
+    for i in range(40):
+        publish(p, "sy/x", b"%04d" % i, 1)
+        time.sleep(0.01)
+    assert sys_value(pc, b.port, "$SYS/broker/log/syncs", lambda v: v >= 3) >= 3
+    b.restart("kill")
+    assert [r.payload for r in b.records() if r.topic == "sy/x"] == [b"%04d" % i for i in range(40)]
+
+
 # --- the offline queue beyond max_queued_messages ----------------------------------------------
 
 

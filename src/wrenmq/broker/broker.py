@@ -437,6 +437,7 @@ class Broker:
             "$SYS/broker/log/retention/lost": store.lost_to_retention,
             "$SYS/broker/log/unwritten_bytes": store.unwritten_bytes,
             "$SYS/broker/log/writer_waits": store.reader_waits,
+            "$SYS/broker/log/syncs": store.syncs,
         }
         if store.log is not None:
             values["$SYS/broker/log/segments"] = len(store.log.segments)

@@ -4,6 +4,9 @@
 cdef extern from "Python.h":
     void PyObject_GC_UnTrack(object o)
 
+cdef Py_ssize_t _seal_records, _seal_bytes, _record_overhead
+cdef bint _compiled
+
 cdef class Epoch:
     cdef public object id
     cdef public long long base
@@ -22,3 +25,5 @@ cdef class EpochAppender:
     cdef public object _queue
     cdef public object _last_id
     cdef public long long sealed_bytes
+    cdef long long _add(self, object ts_us, int qos, bint retain, bytes topic_b, str client_id,
+                        bytes props_b, object payload, int packet_id, bint private) except -1

@@ -26,6 +26,12 @@ _EMPTY = b""
 SEAL_RECORDS = 2048
 SEAL_BYTES = 256 * 1024
 RECORD_OVERHEAD = 128  # bytes a record holds besides its payload (tuple, topic, ...), roughly
+# The same as C values for `_add` (declared in _epoch.pxd; a compiled module's C globals are
+# not visible from Python, so the names above stay for readers of the module).
+_seal_records = SEAL_RECORDS
+_seal_bytes = SEAL_BYTES
+_record_overhead = RECORD_OVERHEAD
+_compiled = COMPILED
 
 
 def properties_block(msg):
@@ -92,18 +98,23 @@ class EpochAppender:
         owed the message, and the log is where owed messages survive a restart.
         `topic_b`: the topic's UTF-8 bytes, if the caller has them.
         """
-        qos = msg.qos
-        off = self.append_record(int(msg.timestamp * 1_000_000), qos, msg.retain,
-                                 topic_b or msg.topic_bytes, msg.client_id,
-                                 properties_block(msg) if msg.properties else _EMPTY,
-                                 msg.payload, packet_id, private)
+        ts: cython.double = msg.timestamp  # noqa: F821 (an annotation: never evaluated)
+        off = self._add(int(ts * 1_000_000), msg.qos, msg.retain, topic_b or msg.topic_bytes,
+                        msg.client_id, properties_block(msg) if msg.properties else _EMPTY,
+                        msg.payload, packet_id, private)
         msg.offset = off
         return off
 
     def append_record(self, ts_us, qos, retain, topic_b, client_id, props_b, payload, packet_id=0,
                       private=False):
         """Append one record from its fields (no Message needed); return its offset."""
-        off = self.next_offset
+        return self._add(ts_us, qos, retain, topic_b, client_id, props_b, payload, packet_id, private)
+
+    def _add(self, ts_us, qos, retain, topic_b, client_id, props_b, payload, packet_id, private):
+        """The record tuple into the current epoch. Compiled it is a C call (`_epoch.pxd`):
+        `append` reaches it without a Python call, and the arguments arrive as C values."""
+        off: cython.longlong = self.next_offset  # noqa: F821 (annotations: never evaluated)
+        flags: cython.int = qos  # noqa: F821
         self.next_offset = off + 1
         e = self._epoch
         recs = e.recs
@@ -116,21 +127,20 @@ class EpochAppender:
             if len(self._client_bytes) > 100_000:
                 self._client_bytes.clear()
             client_b = self._client_bytes[client_id] = client_id.encode()
-        flags = qos
         if retain:
             flags |= 4
         if private:
             flags |= 8
         rec = (ts_us, flags, topic_b, client_b, props_b, payload, packet_id)
-        if COMPILED:
+        if _compiled:
             # Only ints and bytes: it can be in no cycle. Untracked, the cycle collector does
             # not walk the records an epoch holds (they outlive the young generation).
             PyObject_GC_UnTrack(rec)  # noqa: F821 (declared in _epoch.pxd)
         recs.append(rec)
-        e.nbytes += len(payload) + RECORD_OVERHEAD
+        e.nbytes += len(payload) + _record_overhead
         if qos:
             e.durable = True
-        elif (len(recs) >= SEAL_RECORDS or e.nbytes >= SEAL_BYTES) and not e.durable:
+        elif (len(recs) >= _seal_records or e.nbytes >= _seal_bytes) and not e.durable:
             self.seal()
         return off
 

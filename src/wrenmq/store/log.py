@@ -1113,6 +1113,11 @@ class CommitLog(LogReader):
         if self._wfd is not None:
             os.fdatasync(self._wfd)
 
+    def sync_handle(self):
+        """A new descriptor of the active segment, for an fdatasync on another thread
+        (which closes it): it stays valid when the log rolls to the next segment."""
+        return os.dup(self._wfd)
+
     def _roll(self, base):
         seg = self.segments[-1]
         os.fsync(self._wfd)

@@ -6,7 +6,9 @@ same source is also run uncompiled here, so the Python file stays the one truth 
 what the extension does.
 """
 
+import errno
 import importlib.util
+import os
 
 import pytest
 from hypothesis import given, settings
@@ -121,3 +123,41 @@ def test_parts_beyond_iov_max_are_written_in_order(tmp_path, monkeypatch):
     finally:
         commit_log.os.close(fd)
     assert path.read_bytes() == b"".join(parts)
+
+
+@pytest.mark.parametrize("size", [300, 2100])
+def test_write_records_writes_the_reference_bytes(tmp_path, size):
+    """write_records (the writer's path: checksums, copies and writev in one stretch
+    without the GIL) puts the reference's bytes in the file, small payloads joined or
+    large ones as parts of their own, beyond IOV_MAX parts too; `prepare` gets the
+    batch's size before anything is written."""
+    assert compiled.WRITES == compiled.HW_CRC and compiled.WRITES
+    recs = [(1_700_000_000_000_000 + i, i % 3, b"fleet/%d" % (i % 5), b"dev-1", b"\x01\x01" if i % 7 == 0 else b"",
+             bytes([i % 256]) * (size + i % 9), i) for i in range(1500)]
+    want, first, last = _reference(11, recs)
+    path = tmp_path / "batch"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    sizes = []
+    try:
+        os.write(fd, b"before")
+
+        def prepare(n):
+            sizes.append((n, path.stat().st_size))
+            return fd
+
+        assert compiled.write_records(11, recs, prepare) == (len(want), first, last)
+    finally:
+        os.close(fd)
+    assert sizes == [(len(want), 6)]
+    assert path.read_bytes() == b"before" + want
+
+
+def test_write_records_raises_what_the_write_met(tmp_path):
+    recs = [(1, 0, b"t", b"c", b"", b"x" * 100, 0)]
+    fd = os.open(tmp_path / "ro", os.O_RDONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError) as e:
+            compiled.write_records(0, recs, lambda n: fd)
+    finally:
+        os.close(fd)
+    assert e.value.errno == errno.EBADF

@@ -451,3 +451,25 @@ def test_a_log_written_with_crc32_stays_readable_and_is_not_truncated(built, cap
     k = next(i for i in range(count) if built.records[base + i].payload)
     _flip(path, _payload_pos(path, pos, k))
     _check_skips_exactly(built, LogReader(built.dir), {base + k}, caplog)
+
+
+def test_index_entries_written_behind_are_completed_quietly(tmp_path, caplog):
+    """The active segment's index entries reach the files in runs (_INDEX_WRITE_EVERY), so a
+    writer that dies leaves them behind the log. That is no damage: `verify` does not call
+    it one, and the next writer completes the index without a warning, equal to the index
+    of a log closed cleanly."""
+    clean = Built(tmp_path / "clean", segment_bytes=1 << 20, index_interval=64, seed=3)
+    killed = Built(tmp_path / "killed", segment_bytes=1 << 20, index_interval=64, seed=3)
+    for b in (clean, killed):
+        b.fill(5)  # fewer entries than one run: none in the files yet
+    clean.close()
+    killed.log._close_files()  # dies: its descriptors go, what it held back is never written
+    assert killed.seg_path(0, "index").read_bytes() == b""
+    assert LogReader(killed.dir).verify() == []
+    with caplog.at_level(logging.INFO, "wrenmq.store"):
+        log = CommitLog(killed.dir, 1 << 20, 64)
+    assert _warnings(caplog) == ""
+    assert "completing the index (5 entries behind the log)" in caplog.text
+    assert _files(killed.dir, ".index", ".timeindex") == _files(clean.dir, ".index", ".timeindex")
+    assert list(log.records()) == clean.records
+    log.close()

@@ -38,9 +38,48 @@ cdef extern from *:
     static uint32_t wrenmq_crc32c(uint32_t crc, const char *data, size_t n) { return 0; }
     static int wrenmq_crc32c_available(void) { return 0; }
     #endif
+
+    /* The writer's own writev (write_records): the whole iovec array, in runs of at
+       most IOV_MAX, short writes finished, EINTR retried; 0 or an errno. `iov` holds
+       (address, length) pairs of 64-bit words, struct iovec's layout on the 64-bit
+       platforms where the encoder is compiled with the CRC instruction. */
+    #include <errno.h>
+    #include <limits.h>
+    #include <sys/uio.h>
+    #ifndef IOV_MAX
+    #define IOV_MAX 1024
+    #endif
+    static int wrenmq_writev_all(int fd, unsigned long long *words, int n) {
+        struct iovec *iov = (struct iovec *)words;
+        if (sizeof(struct iovec) != 16) return ENOSYS;
+        while (n > 0) {
+            int k = n < IOV_MAX ? n : IOV_MAX;
+            ssize_t w = writev(fd, iov, k);
+            if (w < 0) {
+                if (errno == EINTR) continue;
+                return errno;
+            }
+            while (n > 0 && (size_t)w >= iov->iov_len) {
+                w -= (ssize_t)iov->iov_len;
+                iov++;
+                n--;
+            }
+            if (n > 0 && w > 0) {
+                iov->iov_base = (char *)iov->iov_base + w;
+                iov->iov_len -= (size_t)w;
+            }
+        }
+        return 0;
+    }
+    static const char *wrenmq_zeros(void) {
+        static const char z[8] = {0};
+        return z;
+    }
     """
     unsigned int wrenmq_crc32c(unsigned int crc, const char *data, size_t n) nogil
     int wrenmq_crc32c_available() nogil
+    int wrenmq_writev_all(int fd, unsigned long long *words, int n) nogil
+    const char *wrenmq_zeros() nogil
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.string cimport memcpy, memset

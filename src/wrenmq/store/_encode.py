@@ -13,6 +13,7 @@ bytes of `format.encode_batch_parts`, which stays the reference for the format.
 `store.encode_records` uses this module only when COMPILED.
 """
 
+import os
 from array import array
 
 import cython
@@ -24,6 +25,7 @@ COMPILED = cython.compiled
 # Compiled on a CPU with SSE 4.2, record checksums come from _encode.pxd's wrenmq_crc32c
 # (the same CRC-32C without a Python call per record); otherwise from `crc32c`.
 HW_CRC = bool(COMPILED and wrenmq_crc32c_available())  # noqa: F821 (declared in _encode.pxd)
+WRITES = HW_CRC  # write_records is there (it writes from the same GIL-free stretch)
 _OWN_PARTS = 2048  # average payload size from which payloads go to writev as they are
 # (measured: 1 KiB gains nothing, 2 KiB and 4 KiB save 10-45% of the writer's CPU per record)
 
@@ -48,19 +50,36 @@ def encode_records(base, recs: list):
     padding.
     """
     if HW_CRC:
-        return _encode_without_gil(base, recs)
+        return _encode_without_gil(base, recs, None)
     return _encode_with_gil(base, recs)
+
+
+def write_records(base, recs: list, prepare):
+    """Encode the records as one batch and write it, in one stretch without the GIL.
+
+    Only where WRITES (the compiled encoder, CRC-32C instruction): the checksums, the
+    copies and the writev of the batch then need the GIL back once, not once for each
+    (every time the writer thread takes the GIL back, the event loop waits for it).
+    `prepare(size)` is called with the GIL once the batch's size is known, before
+    anything is written, and returns the file descriptor to write to. Returns (size,
+    first timestamp, max timestamp); raises OSError if the write fails (part of the
+    batch may be in the file then).
+    """
+    if not WRITES:
+        raise RuntimeError("write_records needs the compiled encoder with the CRC-32C instruction")
+    return _encode_without_gil(base, recs, prepare)
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _encode_without_gil(base, recs: list):
+def _encode_without_gil(base, recs: list, prepare):
     """The compiled encoder where the CPU has the CRC-32C instruction.
 
     One pass with the GIL reads the record tuples into C columns (values, and the
     address and length of each bytes field: the tuples keep them alive, and bytes do not
     move); the checksums and every copy into the batch then run with the GIL released,
     so the event loop is not held up by the writer thread while it encodes a batch.
+    With `prepare` (write_records) the writev of the batch runs in that stretch too.
     Only compiled (the uncompiled module runs `_encode_with_gil`).
     """
     n: cython.Py_ssize_t = len(recs)
@@ -153,8 +172,18 @@ def _encode_without_gil(base, recs: list):
     buf: cython.p_char = PyBytes_AS_STRING(out)  # noqa: F821
     header: bytes = _TAIL.pack(base, n, first_ts, max_ts, 0, 0)
     memcpy(buf + 12, cython.cast(cython.p_char, header), 36)  # noqa: F821
+    fd: cython.int = -1
+    if prepare is not None:
+        fd = prepare(length + 8)
+    # The writev's (address, length) pairs: the head, each payload (own) and the padding.
+    iov_col = array("Q", bytes(16 * (n + 2)) if fd >= 0 else b"")
+    iov_v: cython.ulonglong[:] = iov_col
+    niov: cython.int = 0
+    err: cython.int = 0
     pos: cython.Py_ssize_t = 48
-    batch_crc: cython.uint
+    batch_crc: cython.uint = 0
+    pre_col = array("I", bytes(12))  # magic, length, batch checksum
+    pre_v: cython.uint[:] = pre_col
     with cython.nogil:
         for i in range(n):
             j = 4 * i
@@ -179,21 +208,48 @@ def _encode_without_gil(base, recs: list):
                 pos += size_v[j]
         if not own:
             memset(buf + pos, 0, pad)  # noqa: F821
-    # The batch checksum over megabytes: crc32c's own loop is about three times faster
-    # than wrenmq_crc32c's on long buffers, and releases the GIL for them itself.
-    batch_crc = _crc(memoryview(out)[12:])
-    if own:
-        with cython.nogil:
+        # The batch checksum here, in the same GIL-free stretch, wherever the batch is small
+        # enough or written right here: each stretch ends with the writer thread taking
+        # the GIL back from the event loop, a hand-over the loop pays for by waiting.
+        if own or fd >= 0:
+            batch_crc = wrenmq_crc32c(0, buf + 12, out_len - 12)  # noqa: F821
+        if own:
             for i in range(n):
                 j = 4 * i + 3
                 batch_crc = wrenmq_crc32c(batch_crc, cython.cast(cython.p_char, where_v[j]), size_v[j])  # noqa: F821
+            if pad:
+                batch_crc = wrenmq_crc32c(batch_crc, wrenmq_zeros(), pad)  # noqa: F821
+        if fd >= 0:
+            pre_v[0] = 0x314E5257  # b"WRN1" read as a little-endian u32
+            pre_v[1] = length
+            pre_v[2] = batch_crc
+            memcpy(buf, cython.address(pre_v[0]), 12)  # noqa: F821
+            iov_v[0] = cython.cast(cython.ulonglong, buf)
+            iov_v[1] = out_len
+            niov = 1
+            if own:
+                for i in range(n):
+                    iov_v[2 * niov] = where_v[4 * i + 3]
+                    iov_v[2 * niov + 1] = size_v[4 * i + 3]
+                    niov += 1
+                if pad:
+                    iov_v[2 * niov] = cython.cast(cython.ulonglong, wrenmq_zeros())  # noqa: F821
+                    iov_v[2 * niov + 1] = pad
+                    niov += 1
+            err = wrenmq_writev_all(fd, cython.address(iov_v[0]), niov)  # noqa: F821
+    if fd >= 0:
+        if err:
+            raise OSError(err, os.strerror(err))
+        return length + 8, first_ts, max_ts
+    if not own:
+        # The batch checksum over megabytes: crc32c's own loop is about three times
+        # faster than wrenmq_crc32c's on long buffers, and releases the GIL for them itself.
+        batch_crc = _crc(memoryview(out)[12:])
     parts = [out]
     if own:
         parts.extend([rec[5] for rec in recs])
         if pad:
-            zeros = b"\0" * pad
-            batch_crc = _crc(zeros, batch_crc)
-            parts.append(zeros)
+            parts.append(b"\0" * pad)
     checksum: object = batch_crc
     head: bytes = _PREFIX.pack(MAGIC, length) + checksum.to_bytes(4, "little")
     memcpy(buf, cython.cast(cython.p_char, head), 12)  # noqa: F821

@@ -35,8 +35,9 @@ try:  # the compiled batch encoder (setup.py builds it when a C compiler is ther
     from . import _encode
     # Interpreted, the source is slower than format's column-wise encoder: not used then.
     _compiled_encode = _encode.encode_records if _encode.COMPILED else None
+    _compiled_write = _encode.write_records if _encode.WRITES else None
 except ImportError:  # not built, and Cython (which the source imports) not installed
-    _compiled_encode = None
+    _compiled_encode = _compiled_write = None
 
 log = logging.getLogger("wrenmq.store")
 
@@ -67,6 +68,7 @@ def encode_records(base, recs):
 _BATCH_RECORDS = 2048
 _BATCH_BYTES = 1 << 20  # and bytes: the writer frees (and the loop reuses) a batch's memory once written
 SEAL_DELAY = 0.02  # seconds a QoS 0-only epoch may keep growing before it is written
+_THROUGH_EVERY = 1.0  # seconds log_through may lag while no state changes are written
 _SYNCED = object()  # the syncer's wake-up of the writer: a sync finished
 
 
@@ -251,6 +253,7 @@ class Store(EpochAppender):
         q = self._queue
         last_sync = time.monotonic()
         last_report = last_sync
+        last_through = last_sync
         dirty = False
         stop = False
         unreported = None  # (epoch id, log end) written but not yet told to the loop
@@ -315,10 +318,14 @@ class Store(EpochAppender):
                     self._release(held)
                     dirty = True
                 recs = held = None
-                if through is not None:
-                    # Recovery rescans the log from here for what SQLite may not have seen.
-                    ops.append((META_SET, ("log_through", str(through))))
                 now = time.monotonic()
+                if through is not None and (ops or stop or now - last_through >= _THROUGH_EVERY):
+                    # Recovery rescans the log from here for what SQLite may not have seen.
+                    # Every transaction with state changes moves it (so they never lag
+                    # behind it); without any, only once a second: a transaction is
+                    # several GIL hand-overs for the writer thread.
+                    ops.append((META_SET, ("log_through", str(through))))
+                    last_through = now
                 if dirty and (self.fsync == "always" or stop):
                     self.log.sync()
                     self.syncs += 1
@@ -393,10 +400,15 @@ class Store(EpochAppender):
                 pass
 
     def _append(self, base, recs):
-        data, first_ts, max_ts = encode_records(base, recs)
-        self.log.append(data, base, len(recs), first_ts, max_ts)
+        log = self.log
+        if _compiled_write is not None and log.writes_through_cache:
+            size = log.append_records(base, recs, _compiled_write)[0]
+        else:
+            data, first_ts, max_ts = encode_records(base, recs)
+            log.append(data, base, len(recs), first_ts, max_ts)
+            size = sum(map(len, data))
         self.appended += len(recs)
-        self.bytes_appended += sum(map(len, data))
+        self.bytes_appended += size
 
     # --- reading back ------------------------------------------------------------
 

@@ -596,6 +596,43 @@ def test_qos2_inbound_id_from_the_log_survives_a_second_crash(durable, raw_clien
     assert logged == [b"once"], f"the resend was accepted as a new message: {logged}"
 
 
+@VERSIONS
+def test_qos2_id_released_before_a_kill_stays_released(durable, raw_client, version):
+    """The rescan at recovery starts at log_through, which the writer moves with every
+    transaction that changes state but otherwise only once a second. A QoS 2 id released
+    by PUBREL, then QoS 0 traffic (no state changes), then a kill -9: the id must not come
+    back from the rescan, so a new PUBLISH with it after the restart is a new message."""
+    b = durable()
+    flood = raw_client(b.port, version)
+    flood.send(_connect(uid("q2flood"), version, True, 0))
+    assert flood.recv().TYPE == C.CONNACK
+    # A second after the start, a round of QoS 0 alone writes a log_through of its own:
+    # from here on, only the QoS 2 exchange's transactions can move it past its record.
+    time.sleep(1.2)
+    flood.send(Publish("q2r/flood", b"early", qos=0))
+    assert wait_for(lambda: b.records(["q2r/flood"]), 5)
+    pcid = uid("q2rel")
+    c, _ = raw_session(raw_client, b.port, version, pcid)
+    c.send(Publish("q2r/a", b"first", qos=2, packet_id=5))
+    assert raw_next(c, C.PUBREC).packet_id == 5
+    c.send(Pubrel(5))
+    assert raw_next(c, C.PUBCOMP).packet_id == 5
+    for i in range(300):
+        flood.send(Publish("q2r/flood", b"%d" % i, qos=0))
+    assert wait_for(lambda: len(b.records(["q2r/flood"])) == 301, 5)
+    b.shutdown("kill")
+    c.close()
+    b.start()
+    c2, ack = raw_session(raw_client, b.port, version, pcid)
+    assert ack.session_present
+    c2.send(Publish("q2r/a", b"second", qos=2, packet_id=5))
+    assert raw_next(c2, C.PUBREC).packet_id == 5
+    c2.send(Pubrel(5))
+    assert raw_next(c2, C.PUBCOMP).packet_id == 5
+    logged = [r.payload for r in b.records(["q2r/a"])]
+    assert logged == [b"first", b"second"], f"the new message was taken for a resend: {logged}"
+
+
 # --- timers across downtime ------------------------------------------------------------------
 
 

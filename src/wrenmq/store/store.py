@@ -378,7 +378,10 @@ class Store(EpochAppender):
             except OSError as exc:  # the writer raises it: durability can no longer be promised
                 self._sync_error = exc
             finally:
-                os.close(fd)
+                try:
+                    os.close(fd)
+                except OSError:  # (nothing to lose: the sync's own outcome is what counts)
+                    pass
                 self._sync_busy = False
                 self._queue.put(_SYNCED)
 

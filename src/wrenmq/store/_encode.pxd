@@ -131,6 +131,13 @@ cdef extern from *:
         }
         return 0;
     }
+    /* A batch's first 12 bytes: magic, length, checksum (format.py; a little-endian
+       machine, as format.py requires). */
+    static void wrenmq_put_prefix(char *buf, uint32_t length, uint32_t crc) {
+        memcpy(buf, "WRN1", 4);
+        memcpy(buf + 4, &length, 4);
+        memcpy(buf + 8, &crc, 4);
+    }
     static const char *wrenmq_zeros(void) {
         static const char z[8] = {0};
         return z;
@@ -142,6 +149,7 @@ cdef extern from *:
     int wrenmq_crc32c_available() nogil
     int wrenmq_writev_all(int fd, unsigned long long *words, int n) nogil
     const char *wrenmq_zeros() nogil
+    void wrenmq_put_prefix(char *buf, unsigned int length, unsigned int crc) nogil
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.string cimport memcpy, memset

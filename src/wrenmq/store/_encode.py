@@ -183,8 +183,6 @@ def _encode_without_gil(base, recs: list, prepare):
     pos: cython.Py_ssize_t = 48
     batch_crc: cython.uint = 0
     region: cython.uint = 0  # own: the CRC-32C of all payloads, one after another
-    pre_col = array("I", bytes(12))  # magic, length, batch checksum
-    pre_v: cython.uint[:] = pre_col
     with cython.nogil:
         for i in range(n):
             j = 4 * i
@@ -224,10 +222,7 @@ def _encode_without_gil(base, recs: list, prepare):
             if pad:
                 batch_crc = wrenmq_crc32c(batch_crc, wrenmq_zeros(), pad)  # noqa: F821
         if fd >= 0:
-            pre_v[0] = 0x314E5257  # b"WRN1" read as a little-endian u32
-            pre_v[1] = length
-            pre_v[2] = batch_crc
-            memcpy(buf, cython.address(pre_v[0]), 12)  # noqa: F821
+            wrenmq_put_prefix(buf, length, batch_crc)  # noqa: F821
             iov_v[0] = cython.cast(cython.ulonglong, buf)
             iov_v[1] = out_len
             niov = 1
@@ -254,9 +249,7 @@ def _encode_without_gil(base, recs: list, prepare):
         parts.extend([rec[5] for rec in recs])
         if pad:
             parts.append(b"\0" * pad)
-    checksum: object = batch_crc
-    head: bytes = _PREFIX.pack(MAGIC, length) + checksum.to_bytes(4, "little")
-    memcpy(buf, cython.cast(cython.p_char, head), 12)  # noqa: F821
+    wrenmq_put_prefix(buf, length, batch_crc)  # noqa: F821
     return parts, first_ts, max_ts
 
 

@@ -1034,15 +1034,11 @@ class CommitLog(LogReader):
 
         `data`: the batch's bytes (`format.encode_batch`), or its parts as a tuple or
         list (`format.encode_batch_parts`, `_encode.encode_records`), written with writev.
+        Returns the batch's size.
         """
-        seg = self.segments[-1]
-        if base != seg.next_offset:
-            raise ValueError(f"batch base {base} does not follow the log end {seg.next_offset}")
         parts = data if isinstance(data, (tuple, list)) else (data,)
         size = sum(map(len, parts))
-        if seg.size and seg.size + size > self.segment_bytes:
-            self._roll(base)
-            seg = self.segments[-1]
+        seg = self._place(base, size)
         pos = seg.size
         try:
             if self._dfd is not None and len(self._partial) + size >= _BLOCK:
@@ -1055,6 +1051,18 @@ class CommitLog(LogReader):
             self._take_back(pos)
             raise
         self._appended(seg, base, count, pos, size, first_ts, max_ts)
+        return size
+
+    def _place(self, base, size):
+        """The segment a batch of `size` bytes starting at offset `base` goes to: the
+        active one, or a new one if it would grow past segment_bytes."""
+        seg = self.segments[-1]
+        if base != seg.next_offset:
+            raise ValueError(f"batch base {base} does not follow the log end {seg.next_offset}")
+        if seg.size and seg.size + size > self.segment_bytes:
+            self._roll(base)
+            seg = self.segments[-1]
+        return seg
 
     @property
     def writes_through_cache(self):
@@ -1065,17 +1073,11 @@ class CommitLog(LogReader):
     def append_records(self, base, recs, write_records):
         """Encode and write one batch of record tuples with `write_records`
         (`_encode.write_records`, which writes the batch itself between its checksums,
-        without the GIL). Returns (size, first timestamp, max timestamp)."""
-        seg = self.segments[-1]
-        if base != seg.next_offset:
-            raise ValueError(f"batch base {base} does not follow the log end {seg.next_offset}")
+        without the GIL). Returns the batch's size."""
         at = []
 
         def prepare(size):
-            s = self.segments[-1]
-            if s.size and s.size + size > self.segment_bytes:
-                self._roll(base)
-            at.append(self.segments[-1].size)
+            at.append(self._place(base, size).size)
             return self._wfd
 
         try:
@@ -1085,7 +1087,7 @@ class CommitLog(LogReader):
                 self._take_back(at[0])
             raise
         self._appended(self.segments[-1], base, len(recs), at[0], size, first_ts, max_ts)
-        return size, first_ts, max_ts
+        return size
 
     def _take_back(self, pos):
         """After a failed write (disk full, an I/O error): cut a partial batch back off so

@@ -405,11 +405,10 @@ class Store(EpochAppender):
     def _append(self, base, recs):
         log = self.log
         if _compiled_write is not None and log.writes_through_cache:
-            size = log.append_records(base, recs, _compiled_write)[0]
+            size = log.append_records(base, recs, _compiled_write)
         else:
             data, first_ts, max_ts = encode_records(base, recs)
-            log.append(data, base, len(recs), first_ts, max_ts)
-            size = sum(map(len, data))
+            size = log.append(data, base, len(recs), first_ts, max_ts)
         self.appended += len(recs)
         self.bytes_appended += size
 

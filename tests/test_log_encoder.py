@@ -1,9 +1,10 @@
 """The compiled batch encoder (store/_encode.py) writes exactly the bytes of the reference.
 
-`format.encode_batch_parts` defines the batch format; `_encode.encode_records` is the
-writer thread's loop over the same records, compiled by the package's install. The
-same source is also run uncompiled here, so the Python file stays the one truth of
-what the extension does.
+`format.encode_batch_parts` defines the batch format from columns of records;
+`_encode.encode_epochs` and `write_epochs` are the writer thread's encoder over the
+record buffers of store epochs (`_epoch.Epoch`), compiled by the package's install.
+The epochs here are filled by the compiled `_epoch` and by its Python source, and a
+batch may span several of them, as the writer's do.
 """
 
 import errno
@@ -15,19 +16,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import wrenmq.store._encode as compiled
+import wrenmq.store._epoch as epoch
+from wrenmq._compiled import compiled as is_compiled
 from wrenmq.store import store
 from wrenmq.store.format import Batch, encode_batch_parts, read_prefix
 
 
-def _interpreted():
-    spec = importlib.util.spec_from_file_location("wrenmq.store._encode_source",
-                                                  compiled.__file__.rsplit("/", 1)[0] + "/_encode.py")
+def _source(name):
+    spec = importlib.util.spec_from_file_location(f"wrenmq.store.{name}_source",
+                                                  os.path.join(os.path.dirname(epoch.__file__), name + ".py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-INTERPRETED = _interpreted()
+EPOCH_SOURCE = _source("_epoch")
+ENCODE_SOURCE = _source("_encode")
 
 _rec = st.tuples(
     st.integers(0, 2**62),  # timestamp, microseconds
@@ -45,36 +49,62 @@ def _reference(base, recs):
     return b"".join(encode_batch_parts(base, ts, flags, topics, clients, props, payloads, pids)), ts[0], max(ts)
 
 
-def _encoded(mod, base, recs):
-    """The batch `mod` encodes, joined (it may come as several parts)."""
-    parts, first, last = mod.encode_records(base, recs)
+def _epochs(mod, base, recs, cuts=()):
+    """`recs` (record tuples) in epochs of `mod`'s Epoch, cut before the given indexes."""
+    out = []
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(recs))), len(recs)]
+    for lo, hi in zip(bounds, bounds[1:]):
+        e = mod.Epoch(len(out) + 1, base + lo)
+        for rec in recs[lo:hi]:
+            e.add(*rec)
+        out.append(e)
+    return out
+
+
+def _encoded(epochs):
+    parts, first, last = compiled.encode_epochs(epochs)
     return b"".join(parts), first, last
 
 
 def test_the_install_compiled_it():
     # make test installs a C compiler first; without one the install falls back to
-    # the interpreted encoder, and this says so.
+    # the reference encoder, and this says so.
     assert compiled.COMPILED, "store/_encode.py was not compiled by the install (no C compiler?)"
-    assert store._compiled_encode is compiled.encode_records
-    assert not INTERPRETED.COMPILED and not INTERPRETED.HW_CRC
-    # Record checksums come from the SSE 4.2 instruction wherever the CPU has it (this
-    # machine does); the tests below then check them against the crc32c library's.
+    assert is_compiled(epoch)
+    assert store._compiled_encode is compiled.encode_epochs
+    assert not ENCODE_SOURCE.COMPILED and not ENCODE_SOURCE.HW_CRC
+    with pytest.raises(RuntimeError):
+        ENCODE_SOURCE.encode_epochs(_epochs(EPOCH_SOURCE, 0, [(1, 0, b"t", b"", b"", b"x", 0)]))
+    # The encoder runs where the CPU has the CRC-32C instruction (this machine does);
+    # the tests below check its checksums against the crc32c library's.
     with open("/proc/cpuinfo") as fh:
         assert compiled.HW_CRC == (" sse4_2" in fh.read())
 
 
 @settings(max_examples=300, deadline=None)
-@given(base=st.integers(0, 2**40), recs=st.lists(_rec, min_size=1, max_size=40))
-def test_same_bytes_as_the_reference(base, recs):
+@given(base=st.integers(0, 2**40), recs=st.lists(_rec, min_size=1, max_size=40),
+       cuts=st.lists(st.integers(1, 39), max_size=3))
+def test_same_bytes_as_the_reference(base, recs, cuts):
     want = _reference(base, recs)
-    assert _encoded(compiled, base, recs) == want
-    assert _encoded(INTERPRETED, base, recs) == want
+    assert _encoded(_epochs(epoch, base, recs, cuts)) == want
+    assert _encoded(_epochs(EPOCH_SOURCE, base, recs, cuts)) == want
+    # The store's path without the compiled encoder: the epochs' columns, then the reference.
+    cols = [[], [], [], [], [], [], []]
+    for e in _epochs(EPOCH_SOURCE, base, recs, cuts):
+        for col, part in zip(cols, e.columns()):
+            col.extend(part)
+    assert list(zip(*cols)) == [tuple(r) for r in recs]
+    # And each record read back from an epoch still in memory (Store.read).
+    eps = _epochs(epoch, base, recs, cuts)
+    got = [e.record(i) for e in eps for i in range(e.count)]
+    assert [(r.offset, r.timestamp, r.payload, r.properties, r.packet_id) for r in got] == \
+        [(base + i, r[0], r[5], r[4], r[6]) for i, r in enumerate(recs)]
 
 
 def test_round_trip_through_the_reader():
     recs = [(1_700_000_000_000_000 + i, (i % 3) | (i % 2) << 2, b"fleet/%d" % (i % 5), b"dev-%d" % (i % 3),
              b"\x01\x01" if i % 4 == 0 else b"", bytes([i % 256]) * (i % 700), i) for i in range(500)]
-    data, first, last = _encoded(compiled, 1000, recs)
+    data, first, last = _encoded(_epochs(epoch, 1000, recs, [100, 101, 333]))
     assert read_prefix(data) == len(data)
     batch = Batch(data)
     got = list(batch.records(check_records=True))
@@ -84,38 +114,21 @@ def test_round_trip_through_the_reader():
     assert (first, last) == (recs[0][0], recs[-1][0])
 
 
-def test_large_payloads_are_parts_of_their_own():
-    """From 2 KiB a record on average, payloads are not joined into the batch: each is a
-    part of the writev as it is (no copy with the GIL held), and the batch reads back the
-    same."""
-    recs = [(1_700_000_000_000_000 + i, i % 3, b"fleet/%d" % (i % 5), b"dev-1", b"",
-             bytes([i % 256]) * (2048 + 3 * i), i) for i in range(300)]
-    parts, first, last = compiled.encode_records(7, recs)
-    assert len(parts) >= 2 + len(recs)
-    assert all(any(p is r[5] for p in parts) for r in recs)
-    data = b"".join(parts)
-    assert (data, first, last) == _reference(7, recs)
-    got = list(Batch(data).records(check_records=True))
-    assert [r.payload for r in got] == [r[5] for r in recs]
-    assert b"".join(INTERPRETED.encode_records(7, recs)[0]) == data
-
-
 def test_too_large_a_batch_is_refused():
     big = b"x" * (1 << 20)
     recs = [(1, 0, b"t", b"c", b"", big, 0)] * 1100  # 1.1 GiB of payload > MAX_BATCH_BYTES
+    eps = _epochs(epoch, 0, recs, range(100, 1100, 100))
     with pytest.raises(ValueError):
-        compiled.encode_records(0, recs)
+        compiled.encode_epochs(eps)
 
 
 def test_parts_beyond_iov_max_are_written_in_order(tmp_path, monkeypatch):
-    """A batch of more parts than one writev takes goes out in runs, in order."""
+    """A batch of more parts than one writev takes (the log's own writes) goes out in runs,
+    in order."""
     from wrenmq.store import log as commit_log
 
     monkeypatch.setattr(commit_log, "_IOV_MAX", 16)
-    recs = [(1_700_000_000_000_000 + i, 0, b"fleet/1", b"dev-1", b"", bytes([i % 256]) * 2100, 0)
-            for i in range(100)]
-    parts, _, _ = compiled.encode_records(0, recs)
-    assert len(parts) > 16
+    parts = [bytes([i % 256]) * (100 + i) for i in range(100)]
     path = tmp_path / "batch"
     fd = commit_log.os.open(path, commit_log.os.O_WRONLY | commit_log.os.O_CREAT)
     try:
@@ -126,11 +139,11 @@ def test_parts_beyond_iov_max_are_written_in_order(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("size", [300, 2100])
-def test_write_records_writes_the_reference_bytes(tmp_path, size):
-    """write_records (the writer's path: checksums, copies and writev in one stretch
-    without the GIL) puts the reference's bytes in the file, small payloads joined or
-    large ones as parts of their own, beyond IOV_MAX parts too; `prepare` gets the
-    batch's size before anything is written."""
+def test_write_epochs_writes_the_reference_bytes(tmp_path, size):
+    """write_epochs (the writer's path: checksums, copies and writev in one stretch
+    without the GIL) puts the reference's bytes in the file, small payloads copied into
+    the batch or large ones written from the epochs' buffers as they are, beyond IOV_MAX
+    parts too; `prepare` gets the batch's size before anything is written."""
     assert compiled.WRITES == compiled.HW_CRC and compiled.WRITES
     recs = [(1_700_000_000_000_000 + i, i % 3, b"fleet/%d" % (i % 5), b"dev-1", b"\x01\x01" if i % 7 == 0 else b"",
              bytes([i % 256]) * (size + i % 9), i) for i in range(1500)]
@@ -145,19 +158,20 @@ def test_write_records_writes_the_reference_bytes(tmp_path, size):
             sizes.append((n, path.stat().st_size))
             return fd
 
-        assert compiled.write_records(11, recs, prepare) == (len(want), first, last)
+        eps = _epochs(epoch, 11, recs, [1, 700, 701, 1400])
+        assert compiled.write_epochs(eps, prepare) == (len(want), first, last)
     finally:
         os.close(fd)
     assert sizes == [(len(want), 6)]
     assert path.read_bytes() == b"before" + want
 
 
-def test_write_records_raises_what_the_write_met(tmp_path):
-    recs = [(1, 0, b"t", b"c", b"", b"x" * 100, 0)]
+def test_write_epochs_raises_what_the_write_met(tmp_path):
+    eps = _epochs(epoch, 0, [(1, 0, b"t", b"c", b"", b"x" * 100, 0)])
     fd = os.open(tmp_path / "ro", os.O_RDONLY | os.O_CREAT)
     try:
         with pytest.raises(OSError) as e:
-            compiled.write_records(0, recs, lambda n: fd)
+            compiled.write_epochs(eps, lambda n: fd)
     finally:
         os.close(fd)
     assert e.value.errno == errno.EBADF

@@ -56,7 +56,7 @@ async def main(data_dir):
     # must be read from the files (the last, unsealed epoch still from memory).
     while st.written_bytes < st.sealed_bytes:
         time.sleep(0.005)
-    released = sum(1 for ep in st._tail if ep.recs is None)
+    released = sum(1 for ep in st._tail if ep.released)
     n = len(offsets)
     mixed = [rows(st.read(start, limit)) for start, limit in
              [(0, 100_000), (0, 10), (499, 3), (1000, 600), (n - 5, 10), (n, 5)]]

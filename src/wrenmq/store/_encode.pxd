@@ -1,12 +1,12 @@
 # C declarations for _encode.py when setup.py compiles it (Cython's augmenting .pxd).
 #
-# CRC-32C with the SSE 4.2 instruction, for the per-record checksums of the batch
-# encoder: `crc32c.crc32c` computes the same with the same instruction, but each call
-# from the encoder goes through Python's argument parsing and buffer protocol, which
-# cost more than the checksum of a 1 KiB payload (about 550 machine instructions per
-# record, callgrind, 2026-11-25). The encoder uses this function only where the CPU has
-# the instruction (checked at import) and `crc32c` everywhere else; the tests require
-# the bytes of the reference encoder, whose checksums are `crc32c`'s.
+# CRC-32C with the SSE 4.2 instruction, for the checksums of the batch encoder:
+# `crc32c.crc32c` computes the same with the same instruction, but each call goes through
+# Python's argument parsing and buffer protocol, which cost more than the checksum of a
+# 1 KiB payload (about 550 machine instructions per record, callgrind, 2026-11-25), and
+# needs the GIL. The encoder runs only where the CPU has the instruction (checked at
+# import); the tests require the bytes of the reference encoder, whose checksums are
+# `crc32c`'s.
 
 cdef extern from *:
     """
@@ -138,6 +138,23 @@ cdef extern from *:
         memcpy(buf + 4, &length, 4);
         memcpy(buf + 8, &crc, 4);
     }
+    /* One record's fixed fields from an epoch's `fixed` buffer (_epoch.FIXED: 32 bytes,
+       little-endian). */
+    static void wrenmq_get_fixed(const char *f, long long *ts, long long *start, uint32_t *lr,
+                                 uint32_t *lp, uint16_t *lt, uint16_t *lc, uint16_t *pid,
+                                 uint8_t *flags) {
+        int64_t a, b;
+        memcpy(&a, f, 8);
+        memcpy(&b, f + 8, 8);
+        *ts = a;
+        *start = b;
+        memcpy(lr, f + 16, 4);
+        memcpy(lp, f + 20, 4);
+        memcpy(lt, f + 24, 2);
+        memcpy(lc, f + 26, 2);
+        memcpy(pid, f + 28, 2);
+        *flags = (uint8_t)f[30];
+    }
     static const char *wrenmq_zeros(void) {
         static const char z[8] = {0};
         return z;
@@ -150,9 +167,10 @@ cdef extern from *:
     int wrenmq_writev_all(int fd, unsigned long long *words, int n) nogil
     const char *wrenmq_zeros() nogil
     void wrenmq_put_prefix(char *buf, unsigned int length, unsigned int crc) nogil
+    void wrenmq_get_fixed(const char *f, long long *ts, long long *start, unsigned int *lr,
+                          unsigned int *lp, unsigned short *lt, unsigned short *lc,
+                          unsigned short *pid, unsigned char *flags) nogil
 
+from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.string cimport memcpy, memset
-
-# A C call from both encoders' loops (once per run of records with one topic and client).
-cdef object _topic_client_crc(dict cache, bytes topic, bytes client)

@@ -7,7 +7,16 @@ module holds them and the epoch they fill, as plain Python that `_epoch.pxd` giv
 types when the install compiles it (setup.py; optional): the calls then stay Python
 calls, their bodies become C. Uncompiled it is the same code, only slower; `store.Store`
 is a subclass of `EpochAppender` either way.
+
+An epoch keeps its records in two byte buffers, not as a Python object per record: the
+loop copies each record's fields in, and the payload object is freed right after
+routing, as with the log off. The writer thread then checksums and writes the buffers
+without the GIL and hands them back for reuse: with a tuple and a payload object per
+record it held the GIL for about 150 ns per 4 KiB record to free them, and the event
+loop waited for it (docs/BENCHMARKS.md, 2026-11-25).
 """
+
+import struct
 
 try:
     import cython
@@ -19,18 +28,28 @@ from ..mqtt.codec import encode_properties
 from .format import Record
 
 _EMPTY = b""
-# A QoS 0-only epoch goes to the writer mid-turn (append) at this many records or payload
-# bytes: the writer frees the payloads once they are written, and a small epoch lets the
-# loop reuse that memory while it is still mapped and in cache instead of growing its heap
-# (a first touch of a page costs ~2 us on the 2-core VM, more than routing a message).
+# A QoS 0-only epoch goes to the writer mid-turn (append) at this many records or bytes:
+# the writer hands its buffers back once they are written, and a small epoch lets the loop
+# reuse them while they are still in cache.
 SEAL_RECORDS = 2048
 SEAL_BYTES = 256 * 1024
-RECORD_OVERHEAD = 128  # bytes a record holds besides its payload (tuple, topic, ...), roughly
-# The same as C values for `_add` (declared in _epoch.pxd; a compiled module's C globals are
-# not visible from Python, so the names above stay for readers of the module).
+# One record's fixed fields in `Epoch.fixed` (little-endian): timestamp (us), start of the
+# record's bytes in `Epoch.var`, properties length, payload length, topic length, client id
+# length, packet id, flags (bits 0-1 QoS, 2 retain, 3 private), one byte of padding. The
+# record's bytes in `var` are topic, client id, properties, payload: the order of the
+# format's columns, so its checksum is one pass over them.
+FIXED = struct.Struct("<qqIIHHHBx")
+FIXED_SIZE = 32
+POOL_MAX_BYTES = 2 << 20  # a var buffer grown larger (a huge epoch) is not kept for reuse
+# A new epoch's buffers, without one to reuse: room for a full QoS 0 epoch (it is sealed
+# once past SEAL_BYTES, so with one more record of up to 16 KiB), so they do not grow.
+_FIRST_VAR = SEAL_BYTES + 16 * 1024
+_FIRST_FIXED = SEAL_RECORDS * FIXED_SIZE
+# The same as C values (declared in _epoch.pxd; a compiled module's C globals are not
+# visible from Python, so the names above stay for readers of the module).
 _seal_records = SEAL_RECORDS
 _seal_bytes = SEAL_BYTES
-_record_overhead = RECORD_OVERHEAD
+_fixed_size = FIXED_SIZE
 _compiled = COMPILED
 
 
@@ -49,38 +68,131 @@ def properties_block(msg):
 class Epoch:
     """What one loop turn produced: log records (offsets base..) and state operations.
 
-    A record is a tuple (timestamp us, flags, topic, client id, properties, payload,
-    packet id) with bytes fields, built on the event loop; the writer thread encodes
-    the epoch's records as one batch, then `release`s them: from then on they are read
-    from the log files.
+    The records are `count` entries of FIXED in `fixed` and their bytes in `var`, filled
+    on the event loop by `add`. Once sealed an epoch does not change; the writer thread
+    encodes the records of one or more epochs as one batch, then `release`s them: from
+    then on they are read from the log files and the buffers go back to `pool` (a
+    bounded deque), whose most recent pair the loop's next new epoch takes: memory
+    already mapped and likely still in cache, where a fresh buffer costs a page fault
+    per 4 KiB on first touch.
     """
 
-    def __init__(self, eid, base):
+    def __init__(self, eid, base, pool=None):
         self.id = eid
         self.base = base
-        self.recs = []
         self.ops = []
         self.durable = False
-        self.nbytes = 0  # memory the records hold: payloads + RECORD_OVERHEAD each
-        self.count = 0  # len(recs), kept once the records are released
+        self.count = 0
+        self.nbytes = 0  # memory the records hold: their bytes and fixed fields
+        self.var_used = 0
+        # Column totals and timestamps of the records, for the batch header.
+        self.topic_bytes = self.client_bytes = self.props_bytes = self.payload_bytes = 0
+        self.first_ts = self.max_ts = 0
+        self.pool = pool
+        self.fixed = self.var = None
+        self.released = False
+
+    def add(self, ts, flags, topic, client, props, payload, pid):
+        """Copy one record in (the event loop; the epoch is not sealed yet)."""
+        i: cython.Py_ssize_t = self.count  # noqa: F821 (annotations: never evaluated)
+        lt: cython.Py_ssize_t = len(topic)  # noqa: F821
+        lc: cython.Py_ssize_t = len(client)  # noqa: F821
+        lr: cython.Py_ssize_t = len(props)  # noqa: F821
+        lp: cython.Py_ssize_t = len(payload)  # noqa: F821
+        start: cython.Py_ssize_t = self.var_used  # noqa: F821
+        end: cython.Py_ssize_t = start + lt + lc + lr + lp  # noqa: F821
+        if self.fixed is None:
+            self._take_buffers()
+        fixed = self.fixed
+        var = self.var
+        if len(fixed) < (i + 1) * _fixed_size:
+            fixed.extend(bytes(len(fixed)))
+        if len(var) < end:
+            var.extend(bytes(max(end - len(var), len(var))))
+        if _compiled:
+            _put_record(var, fixed, i, start, ts, flags, topic, client, props, payload, pid)  # noqa: F821 (_epoch.pxd)
+        else:
+            p = start
+            var[p:p + lt] = topic
+            p += lt
+            var[p:p + lc] = client
+            p += lc
+            var[p:p + lr] = props
+            p += lr
+            var[p:p + lp] = payload
+            FIXED.pack_into(fixed, i * FIXED_SIZE, ts, start, lr, lp, lt, lc, pid, flags)
+        if i == 0:
+            self.first_ts = self.max_ts = ts
+        elif ts > self.max_ts:
+            self.max_ts = ts
+        self.count = i + 1
+        self.var_used = end
+        self.topic_bytes += lt
+        self.client_bytes += lc
+        self.props_bytes += lr
+        self.payload_bytes += lp
+        self.nbytes += end - start + FIXED_SIZE
+
+    def _take_buffers(self):
+        pool = self.pool
+        if pool:
+            try:
+                self.fixed, self.var = pool.pop()
+                return
+            except IndexError:  # (the pool is only taken from on the loop: not expected)
+                pass
+        self.fixed = bytearray(_FIRST_FIXED)
+        self.var = bytearray(_FIRST_VAR)
 
     def release(self):
-        """Drop the records (writer thread, once they are written); `count` keeps their number."""
-        self.count = len(self.recs)
-        self.recs = None
+        """Writer thread, once the records are written: they are read from the files from now
+        on; the buffers go back to the pool for the loop's next epochs."""
+        fixed = self.fixed
+        var = self.var
+        self.released = True
+        self.fixed = self.var = None
+        pool = self.pool
+        if var is not None and pool is not None and len(var) <= POOL_MAX_BYTES:
+            pool.append((fixed, var))  # (a bounded deque: the oldest buffers drop out)
 
     @property
     def end(self):
         """One past the epoch's last offset."""
-        recs = self.recs
-        return self.base + (len(recs) if recs is not None else self.count)
+        return self.base + self.count
 
+    def record(self, i, buffers=None):
+        """Record `i` of the epoch as a format.Record (reads of what may not be on disk yet).
 
-def as_record(offset, rec):
-    """An epoch's record tuple as a format.Record (reads of what may not be on disk yet)."""
-    ts, flags, topic, client, props, payload, pid = rec
-    return Record(offset, ts, flags & 3, bool(flags & 4), topic.decode(), client.decode(),
-                  props, payload, pid, bool(flags & 8))
+        `buffers`: (fixed, var) taken before the writer could release them (`Store.read`).
+        """
+        fixed, var = buffers if buffers is not None else (self.fixed, self.var)
+        ts, start, lr, lp, lt, lc, pid, flags = FIXED.unpack_from(fixed, i * FIXED_SIZE)
+        p = start + lt + lc
+        return Record(self.base + i, ts, flags & 3, bool(flags & 4), var[start:start + lt].decode(),
+                      var[start + lt:p].decode(), bytes(var[p:p + lr]),
+                      bytes(var[p + lr:p + lr + lp]), pid, bool(flags & 8))
+
+    def columns(self, buffers=None):
+        """The records as the format's columns: (timestamps, flags, topics, clients,
+        properties, payloads, packet ids), lists (the reference encoder's input)."""
+        fixed, var = buffers if buffers is not None else (self.fixed, self.var)
+        cols = ([], [], [], [], [], [], [])
+        ts_c, flag_c, topic_c, client_c, props_c, payload_c, pid_c = cols
+        mv = memoryview(var)
+        for ts, start, lr, lp, lt, lc, pid, flags in FIXED.iter_unpack(fixed[:self.count * FIXED_SIZE]):
+            ts_c.append(ts)
+            flag_c.append(flags)
+            pid_c.append(pid)
+            p = start
+            topic_c.append(bytes(mv[p:p + lt]))
+            p += lt
+            client_c.append(bytes(mv[p:p + lc]))
+            p += lc
+            props_c.append(bytes(mv[p:p + lr]))
+            p += lr
+            payload_c.append(bytes(mv[p:p + lp]))
+        mv.release()
+        return cols
 
 
 class EpochAppender:
@@ -111,14 +223,13 @@ class EpochAppender:
         return self._add(ts_us, qos, retain, topic_b, client_id, props_b, payload, packet_id, private)
 
     def _add(self, ts_us, qos, retain, topic_b, client_id, props_b, payload, packet_id, private):
-        """The record tuple into the current epoch. Compiled it is a C call (`_epoch.pxd`):
+        """The record into the current epoch. Compiled it is a C call (`_epoch.pxd`):
         `append` reaches it without a Python call, and the arguments arrive as C values."""
         off: cython.longlong = self.next_offset  # noqa: F821 (annotations: never evaluated)
         flags: cython.int = qos  # noqa: F821
         self.next_offset = off + 1
         e = self._epoch
-        recs = e.recs
-        if not recs:
+        if not e.count:
             if not e.ops and self.on_pending is not None:
                 self.on_pending()
             self._tail.append(e)
@@ -131,23 +242,19 @@ class EpochAppender:
             flags |= 4
         if private:
             flags |= 8
-        rec = (ts_us, flags, topic_b, client_b, props_b, payload, packet_id)
-        if _compiled:
-            # Only ints and bytes: it can be in no cycle. Untracked, the cycle collector does
-            # not walk the records an epoch holds (they outlive the young generation).
-            PyObject_GC_UnTrack(rec)  # noqa: F821 (declared in _epoch.pxd)
-        recs.append(rec)
-        e.nbytes += len(payload) + _record_overhead
+        if type(payload) is not bytes:  # (a hook's transform may hand over a bytearray)
+            payload = bytes(payload)
+        e.add(ts_us, flags, topic_b, client_b, props_b, payload, packet_id)
         if qos:
             e.durable = True
-        elif (len(recs) >= _seal_records or e.nbytes >= _seal_bytes) and not e.durable:
+        elif (e.count >= _seal_records or e.nbytes >= _seal_bytes) and not e.durable:
             self.seal()
         return off
 
     def op(self, statement, params, durable=True):
         """Queue a state change for this epoch; `durable` ones hold output until committed."""
         e = self._epoch
-        if not e.recs and not e.ops and self.on_pending is not None:
+        if not e.count and not e.ops and self.on_pending is not None:
             self.on_pending()
         e.ops.append((statement, params))
         if durable:
@@ -156,10 +263,29 @@ class EpochAppender:
     def seal(self):
         """Hand the current epoch to the writer; return its id (0 if it was empty)."""
         e = self._epoch
-        if not e.recs and not e.ops:
+        if not e.count and not e.ops:
             return 0
         self._last_id = e.id
-        self._epoch = Epoch(e.id + 1, self.next_offset)
+        self._epoch = Epoch(e.id + 1, self.next_offset, self._pool)
         self.sealed_bytes += e.nbytes
         self._queue.put(e)
         return e.id
+
+
+def _put_record(var, fixed, i, start, ts, flags, topic, client, props, payload, pid):
+    """Compiled only (`add` runs this source's slice assignments otherwise): the record's
+    bytes and fixed fields copied in with memcpy."""
+    v: cython.p_char = PyByteArray_AS_STRING(var) + start  # noqa: F821 (_epoch.pxd)
+    f: cython.p_char = PyByteArray_AS_STRING(fixed) + i * _fixed_size  # noqa: F821
+    lt: cython.uint = len(topic)  # noqa: F821
+    lc: cython.uint = len(client)  # noqa: F821
+    lr: cython.uint = len(props)  # noqa: F821
+    lp: cython.uint = len(payload)  # noqa: F821
+    memcpy(v, PyBytes_AS_STRING(topic), lt)  # noqa: F821
+    v += lt
+    memcpy(v, PyBytes_AS_STRING(client), lc)  # noqa: F821
+    v += lc
+    memcpy(v, PyBytes_AS_STRING(props), lr)  # noqa: F821
+    v += lr
+    memcpy(v, PyBytes_AS_STRING(payload), lp)  # noqa: F821
+    wrenmq_put_fixed(f, ts, start, lr, lp, lt, lc, pid, flags)  # noqa: F821

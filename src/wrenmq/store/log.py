@@ -1033,7 +1033,7 @@ class CommitLog(LogReader):
         """Write one encoded batch at the end of the log.
 
         `data`: the batch's bytes (`format.encode_batch`), or its parts as a tuple or
-        list (`format.encode_batch_parts`, `_encode.encode_records`), written with writev.
+        list (`format.encode_batch_parts`, `_encode.encode_epochs`), written with writev.
         Returns the batch's size.
         """
         parts = data if isinstance(data, (tuple, list)) else (data,)
@@ -1067,13 +1067,13 @@ class CommitLog(LogReader):
     @property
     def writes_through_cache(self):
         """True if appends go through the page cache only (no O_DIRECT), so a batch can be
-        written by `append_records`."""
+        written by `append_epochs`."""
         return self._dfd is None
 
-    def append_records(self, base, recs, write_records):
-        """Encode and write one batch of record tuples with `write_records`
-        (`_encode.write_records`, which writes the batch itself between its checksums,
-        without the GIL). Returns the batch's size."""
+    def append_epochs(self, base, count, epochs, write_epochs):
+        """Encode and write the `count` records of `epochs` (store epochs, offsets from
+        `base`) as one batch with `write_epochs` (`_encode.write_epochs`, which writes the
+        batch itself between its checksums, without the GIL). Returns the batch's size."""
         at = []
 
         def prepare(size):
@@ -1081,12 +1081,12 @@ class CommitLog(LogReader):
             return self._wfd
 
         try:
-            size, first_ts, max_ts = write_records(base, recs, prepare)
+            size, first_ts, max_ts = write_epochs(epochs, prepare)
         except OSError:
             if at:
                 self._take_back(at[0])
             raise
-        self._appended(self.segments[-1], base, len(recs), at[0], size, first_ts, max_ts)
+        self._appended(self.segments[-1], base, count, at[0], size, first_ts, max_ts)
         return size
 
     def _take_back(self, pos):

@@ -26,16 +26,16 @@ import threading
 import time
 
 from ..mqtt.codec import decode_properties, encode_varint
-from ._epoch import Epoch, EpochAppender, as_record, properties_block  # noqa: F401 (properties_block: re-exported)
+from ._epoch import SEAL_BYTES, Epoch, EpochAppender, properties_block  # noqa: F401 (properties_block: re-exported)
 from .format import encode_batch_parts
 from .log import CommitLog, LogReader
 from .state import META_SET, StateDB
 
 try:  # the compiled batch encoder (setup.py builds it when a C compiler is there)
     from . import _encode
-    # Interpreted, the source is slower than format's column-wise encoder: not used then.
-    _compiled_encode = _encode.encode_records if _encode.COMPILED else None
-    _compiled_write = _encode.write_records if _encode.WRITES else None
+    # Only compiled, on a CPU with the CRC-32C instruction; else format's reference encoder.
+    _compiled_encode = _encode.encode_epochs if _encode.HW_CRC else None
+    _compiled_write = _encode.write_epochs if _encode.WRITES else None
 except ImportError:  # not built, and Cython (which the source imports) not installed
     _compiled_encode = _compiled_write = None
 
@@ -50,23 +50,28 @@ def parse_properties_block(block):
     return dict(props)
 
 
-def encode_records(base, recs):
-    """Record tuples (offsets base..) as one log batch: (parts, first timestamp, max timestamp);
-    the parts, concatenated, are the batch.
+def encode_epochs(epochs):
+    """The records of consecutive epochs as one log batch: (parts, first timestamp, max
+    timestamp); the parts, concatenated, are the batch.
 
-    The compiled loop of `_encode` when the install built it, else the column-wise
+    The compiled encoder of `_encode` when the install built it, else the column-wise
     reference encoder of `format` (the same bytes).
     """
     if _compiled_encode is not None:
-        return _compiled_encode(base, recs)
-    ts, flags, topics, clients, props, payloads, pids = zip(*recs)
-    data = encode_batch_parts(base, ts, flags, topics, clients, props, payloads, pids)
+        return _compiled_encode(epochs)
+    cols = [[], [], [], [], [], [], []]
+    for ep in epochs:
+        for col, part in zip(cols, ep.columns()):
+            col.extend(part)
+    ts, flags, topics, clients, props, payloads, pids = cols
+    data = encode_batch_parts(epochs[0].base, ts, flags, topics, clients, props, payloads, pids)
     return data, ts[0], max(ts)
 
 
-# Records per batch at most: the encoder holds the GIL ~1 ms for 2048 x 1 KiB (5.7 ms for 8192).
+# Records per batch at most, and bytes: the writer hands a batch's buffers back for reuse
+# once it is written.
 _BATCH_RECORDS = 2048
-_BATCH_BYTES = 1 << 20  # and bytes: the writer frees (and the loop reuses) a batch's memory once written
+_BATCH_BYTES = 1 << 20
 SEAL_DELAY = 0.02  # seconds a QoS 0-only epoch may keep growing before it is written
 _THROUGH_EVERY = 1.0  # seconds log_through may lag while no state changes are written
 _SYNCED = object()  # the syncer's wake-up of the writer: a sync finished
@@ -122,7 +127,12 @@ class Store(EpochAppender):
         self.loop = None
         self._last_id = 0
         self.durable_id = 0
-        self._epoch = Epoch(1, self.next_offset)
+        # Record buffers the writer handed back, for new epochs: as many pairs as full
+        # epochs fit in max_unwritten_bytes (+4), so after a flood the pool keeps about
+        # what the writer's backlog was allowed to hold (a pair of more than
+        # _epoch.POOL_MAX_BYTES is never kept).
+        self._pool = collections.deque(maxlen=st.max_unwritten_bytes // SEAL_BYTES + 4)
+        self._epoch = Epoch(1, self.next_offset, self._pool)
         # Epochs whose messages may not be on disk yet, for in-process reads.
         self._tail = collections.deque()
         self._client_bytes = {}
@@ -181,7 +191,7 @@ class Store(EpochAppender):
     @property
     def pending(self):
         e = self._epoch
-        return bool(e.recs or e.ops)
+        return bool(e.count or e.ops)
 
     @property
     def seal_due(self):
@@ -292,32 +302,26 @@ class Store(EpochAppender):
                 through = None
                 ops = []
                 # Consecutive epochs are contiguous in offsets: write them as few batches.
-                base = None
-                recs = []
-                held = []  # epochs whose records are in recs
-                nbytes = 0
+                held = []  # epochs whose records go into the next batch
+                count = nbytes = 0
                 for ep in epochs:
-                    if ep.recs:
-                        if base is None:
-                            base = ep.base
-                        recs.extend(ep.recs)
+                    if ep.count:
                         held.append(ep)
+                        count += ep.count
                         nbytes += ep.nbytes
-                        if len(recs) >= _BATCH_RECORDS or nbytes >= _BATCH_BYTES:
-                            self._append(base, recs)
+                        if count >= _BATCH_RECORDS or nbytes >= _BATCH_BYTES:
+                            self._append(held, count)
                             self._release(held)
-                            base = None
-                            recs = []
                             held = []
-                            nbytes = 0
+                            count = nbytes = 0
                             dirty = True
                     through = ep.end
                     ops.extend(ep.ops)
-                if recs:
-                    self._append(base, recs)
+                if held:
+                    self._append(held, count)
                     self._release(held)
                     dirty = True
-                recs = held = None
+                held = None
                 now = time.monotonic()
                 if through is not None and (ops or stop or now - last_through >= _THROUGH_EVERY):
                     # Recovery rescans the log from here for what SQLite may not have seen.
@@ -402,14 +406,16 @@ class Store(EpochAppender):
             except RuntimeError:  # loop closed during shutdown
                 pass
 
-    def _append(self, base, recs):
+    def _append(self, epochs, count):
+        """The records of `epochs` (consecutive, `count` in all) as one batch in the log."""
         log = self.log
+        base = epochs[0].base
         if _compiled_write is not None and log.writes_through_cache:
-            size = log.append_records(base, recs, _compiled_write)
+            size = log.append_epochs(base, count, epochs, _compiled_write)
         else:
-            data, first_ts, max_ts = encode_records(base, recs)
-            size = log.append(data, base, len(recs), first_ts, max_ts)
-        self.appended += len(recs)
+            data, first_ts, max_ts = encode_epochs(epochs)
+            size = log.append(data, base, count, first_ts, max_ts)
+        self.appended += count
         self.bytes_appended += size
 
     # --- reading back ------------------------------------------------------------
@@ -427,11 +433,13 @@ class Store(EpochAppender):
         for ep in list(self._tail):
             if len(out) >= limit:
                 return out
-            recs = ep.recs  # the writer may release them any time; this reference stays
-            if recs is None:  # written: read from the files with whatever precedes
+            # The writer may release the epoch any time; these references stay, and only
+            # the loop reuses released buffers.
+            buffers = (ep.fixed, ep.var)
+            if ep.released or buffers[0] is None:  # written: read from the files with whatever precedes
                 continue
             base = ep.base
-            n = len(recs)
+            n = ep.count
             if base + n <= start:
                 continue
             if start < base:  # everything before an epoch still in memory is written
@@ -442,7 +450,7 @@ class Store(EpochAppender):
                     return out
             i = start - base
             while i < n and len(out) < limit:
-                out.append(as_record(base + i, recs[i]))
+                out.append(ep.record(i, buffers))
                 i += 1
             start = base + i
         if len(out) < limit and start < self.next_offset:

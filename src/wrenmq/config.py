@@ -150,7 +150,9 @@ class StorageSection:
                                        "at most this much QoS 1 traffic, never loses any).", 10, 600000)
     max_unwritten_bytes: int = _key(16777216, "Messages accepted but not yet written to the log, at most "
                                     "(bytes): past it, publishers are read again only once the writer "
-                                    "has caught up, so a slow disk slows them instead of filling memory.",
+                                    "has caught up, so a slow disk slows them instead of filling memory. "
+                                    "After a flood the broker keeps about this much of written epochs' "
+                                    "record buffers for reuse.",
                                     65536)
 
 

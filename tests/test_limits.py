@@ -266,10 +266,11 @@ def test_flooding_publishers_take_turns_without_loss(make_broker, clients, tmp_p
 def test_publishers_wait_for_a_log_writer_that_is_behind(make_broker, tmp_path):
     """With the commit log on, what the loop accepted and the writer thread has not written
     yet is bounded by [storage] max_unwritten_bytes: two publishers flood 6 MB of QoS 0 into
-    a broker allowed 64 KiB of it. Their connections are read again only once the writer has
+    a broker allowed 64 KiB of it, whose writer syncs every batch (fsync "always": without
+    the syncs the writer keeps up with two publishers, and nothing waits). Their connections are read again only once the writer has
     caught up (counted in $SYS/broker/log/writer_waits), the writer never finds much more than
     the limit queued, and every message is in the log, in order."""
-    b = make_broker(f'[storage]\nmode = "disk"\ndata_dir = "{tmp_path}"\nfsync = "never"\n'
+    b = make_broker(f'[storage]\nmode = "disk"\ndata_dir = "{tmp_path}"\nfsync = "always"\n'
                     'max_unwritten_bytes = 65536\n')
     n, size = 3000, 1000
     pubs = [raw_connect(b.port, f"flood-{i}", 4) for i in range(2)]

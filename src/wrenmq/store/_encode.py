@@ -53,7 +53,7 @@ def write_epochs(epochs: list, prepare):
 def _encode(epochs: list, prepare):
     """One pass with the GIL over the epochs (a few per batch) gathers their buffers and
     sizes; then, without it, each record's fixed fields go to the columns, its checksum
-    is taken in one pass over its bytes (a large payload read once for its record's
+    is taken in one pass over its bytes (the payload read once for its record's
     checksum and the running checksum of all payloads), its topic, client id and
     properties are copied, and its payload copied or (large payloads, with `prepare`)
     written from the epoch's buffer as it is."""

@@ -41,10 +41,11 @@ SEAL_BYTES = 256 * 1024
 FIXED = struct.Struct("<qqIIHHHBx")
 FIXED_SIZE = 32
 POOL_MAX_BYTES = 2 << 20  # a var buffer grown larger (a huge epoch) is not kept for reuse
-# A new epoch's buffers, without one to reuse: room for a full QoS 0 epoch (it is sealed
-# once past SEAL_BYTES, so with one more record of up to 16 KiB), so they do not grow.
+# A new pair of buffers: room for the bytes of a full QoS 0 epoch (it is sealed once past
+# SEAL_BYTES, so with one more record of up to 16 KiB) and for 512 records' fixed fields
+# (an epoch of smaller records grows it, once: the pair is reused afterwards).
 _FIRST_VAR = SEAL_BYTES + 16 * 1024
-_FIRST_FIXED = SEAL_RECORDS * FIXED_SIZE
+_FIRST_FIXED = 512 * FIXED_SIZE
 # The same as C values (declared in _epoch.pxd; a compiled module's C globals are not
 # visible from Python, so the names above stay for readers of the module).
 _seal_records = SEAL_RECORDS
@@ -63,6 +64,11 @@ def properties_block(msg):
     while enc[i] & 0x80:
         i += 1
     return enc[i + 1:]
+
+
+def new_buffers():
+    """A (fixed, var) pair for an epoch, its pages touched (zeroed) now."""
+    return bytearray(_FIRST_FIXED), bytearray(_FIRST_VAR)
 
 
 class Epoch:
@@ -141,8 +147,7 @@ class Epoch:
                 return
             except IndexError:  # (the pool is only taken from on the loop: not expected)
                 pass
-        self.fixed = bytearray(_FIRST_FIXED)
-        self.var = bytearray(_FIRST_VAR)
+        self.fixed, self.var = new_buffers()
 
     def release(self):
         """Writer thread, once the records are written: they are read from the files from now

@@ -175,3 +175,16 @@ def test_write_epochs_raises_what_the_write_met(tmp_path):
     finally:
         os.close(fd)
     assert e.value.errno == errno.EBADF
+
+
+def test_a_topic_or_client_id_past_16_bits_is_refused():
+    """MQTT caps both at 65535 bytes, and the epoch's fixed fields hold 16 bits: a longer
+    one is refused instead of being recorded with a wrong length."""
+    for mod in (epoch, EPOCH_SOURCE):
+        e = mod.Epoch(1, 0)
+        e.add(1, 0, b"t" * 65535, b"c" * 65535, b"", b"x", 0)
+        with pytest.raises(ValueError):
+            e.add(1, 0, b"t" * 65536, b"c", b"", b"x", 0)
+        with pytest.raises(ValueError):
+            e.add(1, 0, b"t", b"c" * 65536, b"", b"x", 0)
+        assert e.count == 1 and e.record(0).topic == "t" * 65535

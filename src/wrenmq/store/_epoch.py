@@ -107,6 +107,8 @@ class Epoch:
         lp: cython.Py_ssize_t = len(payload)  # noqa: F821
         start: cython.Py_ssize_t = self.var_used  # noqa: F821
         end: cython.Py_ssize_t = start + lt + lc + lr + lp  # noqa: F821
+        if lt > 0xFFFF or lc > 0xFFFF:  # (MQTT's own limit: the fixed fields hold 16 bits)
+            raise ValueError("topic or client id longer than 65535 bytes")
         if self.fixed is None:
             self._take_buffers()
         fixed = self.fixed
@@ -137,7 +139,7 @@ class Epoch:
         self.client_bytes += lc
         self.props_bytes += lr
         self.payload_bytes += lp
-        self.nbytes += end - start + FIXED_SIZE
+        self.nbytes += end - start + _fixed_size
 
     def _take_buffers(self):
         pool = self.pool

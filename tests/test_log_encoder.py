@@ -7,6 +7,7 @@ The epochs here are filled by the compiled `_epoch` and by its Python source, an
 batch may span several of them, as the writer's do.
 """
 
+import contextlib
 import errno
 import importlib.util
 import os
@@ -75,10 +76,46 @@ def test_the_install_compiled_it():
     assert not ENCODE_SOURCE.COMPILED and not ENCODE_SOURCE.HW_CRC
     with pytest.raises(RuntimeError):
         ENCODE_SOURCE.encode_epochs(_epochs(EPOCH_SOURCE, 0, [(1, 0, b"t", b"", b"", b"x", 0)]))
-    # The encoder runs where the CPU has the CRC-32C instruction (this machine does);
-    # the tests below check its checksums against the crc32c library's.
+    # Checksums come from the CRC-32C instruction where the CPU has it (this machine
+    # does), else from the portable loop (test below); the tests check them against the
+    # crc32c library's.
     with open("/proc/cpuinfo") as fh:
         assert compiled.HW_CRC == (" sse4_2" in fh.read())
+    assert compiled.WRITES
+
+
+@contextlib.contextmanager
+def _portable_crc():
+    """The compiled encoder with its portable CRC-32C loop (what a CPU without the
+    instruction runs, an ARM gateway say)."""
+    assert compiled.use_crc_instruction(False) is False
+    try:
+        yield
+    finally:
+        assert compiled.use_crc_instruction(True) == compiled.HW_CRC
+
+
+@settings(max_examples=150, deadline=None)
+@given(base=st.integers(0, 2**40), recs=st.lists(_rec, min_size=1, max_size=40),
+       cuts=st.lists(st.integers(1, 39), max_size=3))
+def test_the_portable_checksum_gives_the_same_bytes(base, recs, cuts):
+    with _portable_crc():
+        got = _encoded(_epochs(epoch, base, recs, cuts))
+    assert got == _reference(base, recs)
+
+
+def test_the_portable_checksum_writes_the_same_bytes(tmp_path):
+    recs = [(1_700_000_000_000_000 + i, i % 3, b"fleet/%d" % (i % 5), b"dev-1", b"",
+             bytes([i % 251]) * (2100 + i % 13), i) for i in range(300)]
+    want, first, last = _reference(5, recs)
+    fd = os.open(tmp_path / "batch", os.O_WRONLY | os.O_CREAT)
+    try:
+        with _portable_crc():
+            got = compiled.write_epochs(_epochs(epoch, 5, recs, [150]), lambda n: fd)
+    finally:
+        os.close(fd)
+    assert got == (len(want), first, last)
+    assert (tmp_path / "batch").read_bytes() == want
 
 
 @settings(max_examples=300, deadline=None)

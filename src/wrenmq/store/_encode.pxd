@@ -1,22 +1,53 @@
 # C declarations for _encode.py when setup.py compiles it (Cython's augmenting .pxd).
 #
-# CRC-32C with the SSE 4.2 instruction, for the checksums of the batch encoder:
-# `crc32c.crc32c` computes the same with the same instruction, but each call goes through
-# Python's argument parsing and buffer protocol, which cost more than the checksum of a
-# 1 KiB payload (about 550 machine instructions per record, callgrind, 2026-11-25), and
-# needs the GIL. The encoder runs only where the CPU has the instruction (checked at
-# import); the tests require the bytes of the reference encoder, whose checksums are
-# `crc32c`'s.
+# CRC-32C for the checksums of the batch encoder, in C so that it runs without the GIL:
+# `crc32c.crc32c` computes the same, but each call goes through Python's argument parsing
+# and buffer protocol, which cost more than the checksum of a 1 KiB payload (about 550
+# machine instructions per record, callgrind, 2026-11-25), and needs the GIL. With the
+# SSE 4.2 instruction where the CPU has it (checked at import), else a portable
+# table-driven loop (slicing by 8); the tests require the bytes of the reference encoder,
+# whose checksums are `crc32c`'s, both ways.
 
 cdef extern from *:
     """
     #include <stddef.h>
     #include <stdint.h>
     #include <string.h>
+    /* The portable CRC-32C (reflected, polynomial 0x82F63B78), slicing by 8 bytes on a
+       little-endian machine (format.py requires one). */
+    static uint32_t wrenmq_crc_tab[8][256];
+    static void wrenmq_crc_tables(void) {
+        for (uint32_t i = 0; i < 256; i++) {
+            uint32_t c = i;
+            for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+            wrenmq_crc_tab[0][i] = c;
+        }
+        for (uint32_t i = 0; i < 256; i++)
+            for (int t = 1; t < 8; t++)
+                wrenmq_crc_tab[t][i] = (wrenmq_crc_tab[t - 1][i] >> 8)
+                                       ^ wrenmq_crc_tab[0][wrenmq_crc_tab[t - 1][i] & 0xff];
+    }
+    static uint32_t wrenmq_crc32c_sw(uint32_t crc, const char *data, size_t n) {
+        const unsigned char *p = (const unsigned char *)data;
+        uint32_t c = ~crc;
+        uint64_t v;
+        while (n >= 8) {
+            memcpy(&v, p, 8);
+            v ^= c;
+            c = wrenmq_crc_tab[7][v & 0xff] ^ wrenmq_crc_tab[6][(v >> 8) & 0xff]
+                ^ wrenmq_crc_tab[5][(v >> 16) & 0xff] ^ wrenmq_crc_tab[4][(v >> 24) & 0xff]
+                ^ wrenmq_crc_tab[3][(v >> 32) & 0xff] ^ wrenmq_crc_tab[2][(v >> 40) & 0xff]
+                ^ wrenmq_crc_tab[1][(v >> 48) & 0xff] ^ wrenmq_crc_tab[0][v >> 56];
+            p += 8;
+            n -= 8;
+        }
+        while (n--) c = wrenmq_crc_tab[0][(c ^ *p++) & 0xff] ^ (c >> 8);
+        return ~c;
+    }
     #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     #include <nmmintrin.h>
     __attribute__((target("sse4.2")))
-    static uint32_t wrenmq_crc32c(uint32_t crc, const char *data, size_t n) {
+    static uint32_t wrenmq_crc32c_hw(uint32_t crc, const char *data, size_t n) {
         const unsigned char *p = (const unsigned char *)data;
         uint64_t c = (uint32_t)~crc;
         uint64_t v;
@@ -34,7 +65,7 @@ cdef extern from *:
        all payloads (`*region`): two independent chains of the instruction, which take
        the time of one. */
     __attribute__((target("sse4.2")))
-    static uint32_t wrenmq_crc32c_two(uint32_t crc, uint32_t *region, const char *data, size_t n) {
+    static uint32_t wrenmq_crc32c_two_hw(uint32_t crc, uint32_t *region, const char *data, size_t n) {
         const unsigned char *p = (const unsigned char *)data;
         uint64_t a = (uint32_t)~crc, b = (uint32_t)~*region;
         uint64_t v;
@@ -54,15 +85,46 @@ cdef extern from *:
         *region = ~b32;
         return ~a32;
     }
-    static int wrenmq_crc32c_available(void) {
+    static int wrenmq_cpu_has_crc(void) {
         __builtin_cpu_init();
         return __builtin_cpu_supports("sse4.2");
     }
     #else
-    static uint32_t wrenmq_crc32c(uint32_t crc, const char *data, size_t n) { return 0; }
-    static uint32_t wrenmq_crc32c_two(uint32_t crc, uint32_t *region, const char *data, size_t n) { return 0; }
-    static int wrenmq_crc32c_available(void) { return 0; }
+    static uint32_t wrenmq_crc32c_hw(uint32_t crc, const char *data, size_t n) {
+        return wrenmq_crc32c_sw(crc, data, n);
+    }
+    static uint32_t wrenmq_crc32c_two_hw(uint32_t crc, uint32_t *region, const char *data, size_t n) {
+        *region = wrenmq_crc32c_sw(*region, data, n);
+        return wrenmq_crc32c_sw(crc, data, n);
+    }
+    static int wrenmq_cpu_has_crc(void) { return 0; }
     #endif
+    static int wrenmq_use_hw = 0;
+    /* Build the tables and choose the instruction if `allow` and the CPU has it; returns
+       whether it is used. */
+    static int wrenmq_crc_setup(int allow) {
+        static int tables = 0;
+        if (!tables) {
+            wrenmq_crc_tables();
+            tables = 1;
+        }
+        wrenmq_use_hw = allow && wrenmq_cpu_has_crc();
+        return wrenmq_use_hw;
+    }
+    static uint32_t wrenmq_crc32c(uint32_t crc, const char *data, size_t n) {
+        return wrenmq_use_hw ? wrenmq_crc32c_hw(crc, data, n) : wrenmq_crc32c_sw(crc, data, n);
+    }
+    static uint32_t wrenmq_crc32c_two(uint32_t crc, uint32_t *region, const char *data, size_t n) {
+        if (wrenmq_use_hw) return wrenmq_crc32c_two_hw(crc, region, data, n);
+        *region = wrenmq_crc32c_sw(*region, data, n);
+        return wrenmq_crc32c_sw(crc, data, n);
+    }
+    /* write_epochs hands writev an array of (address, length) pairs of 64-bit words:
+       struct iovec's layout on 64-bit platforms only. */
+    #include <sys/uio.h>
+    static int wrenmq_iovec_is_two_words(void) {
+        return sizeof(struct iovec) == 16 && sizeof(void *) == 8;
+    }
 
     /* CRC-32C of A then B from the CRCs of A and of B and B's length (zlib's
        crc32_combine, for the Castagnoli polynomial): the batch checksum of a batch whose
@@ -163,7 +225,8 @@ cdef extern from *:
     unsigned int wrenmq_crc32c(unsigned int crc, const char *data, size_t n) nogil
     unsigned int wrenmq_crc32c_two(unsigned int crc, unsigned int *region, const char *data, size_t n) nogil
     unsigned int wrenmq_crc32c_combine(unsigned int crc1, unsigned int crc2, unsigned long long len2) nogil
-    int wrenmq_crc32c_available() nogil
+    int wrenmq_crc_setup(int allow) nogil
+    int wrenmq_iovec_is_two_words() nogil
     int wrenmq_writev_all(int fd, unsigned long long *words, int n) nogil
     const char *wrenmq_zeros() nogil
     void wrenmq_put_prefix(char *buf, unsigned int length, unsigned int crc) nogil

@@ -6,9 +6,10 @@ one or more consecutive epochs into one batch of the format (`format.py`): the
 checksums, every copy and the writev run with the GIL released, and the writer takes
 the GIL back once per batch (each time it does, the event loop may wait for it).
 
-It needs compiling (setup.py, on a CPU with the CRC-32C instruction: `_encode.pxd`);
-`store.encode_epochs` uses the reference encoder, `format.encode_batch_parts`, where it
-is not, and the tests require this module's bytes to be the reference's.
+It needs compiling (setup.py; checksums with the CRC-32C instruction where the CPU has
+it, a portable loop elsewhere: `_encode.pxd`); `store.encode_epochs` uses the reference
+encoder, `format.encode_batch_parts`, where it is not, and the tests require this
+module's bytes to be the reference's.
 """
 
 import os
@@ -19,9 +20,10 @@ import cython
 from .format import _TAIL, MAX_BATCH_BYTES
 
 COMPILED = cython.compiled
-# The CRC-32C instruction is there (wrenmq_crc32c, _encode.pxd): the encoder runs only then.
-HW_CRC = bool(COMPILED and wrenmq_crc32c_available())  # noqa: F821 (declared in _encode.pxd)
-WRITES = HW_CRC
+# Checksums with the CRC-32C instruction (else the portable loop of _encode.pxd).
+HW_CRC = bool(COMPILED and wrenmq_crc_setup(1))  # noqa: F821 (declared in _encode.pxd)
+# write_epochs hands writev 64-bit (address, length) pairs: 64-bit platforms.
+WRITES = bool(COMPILED and wrenmq_iovec_is_two_words())  # noqa: F821
 _OWN_PARTS = 2048  # average payload size from which payloads go to writev from the epochs' buffers
 # (measured: 1 KiB gains nothing, 2 KiB and 4 KiB save 10-45% of the writer's CPU per record)
 
@@ -29,8 +31,8 @@ _OWN_PARTS = 2048  # average payload size from which payloads go to writev from 
 def encode_epochs(epochs: list):
     """The records of `epochs` (consecutive, offsets from epochs[0].base) as one batch:
     ([batch bytes], first timestamp, max timestamp)."""
-    if not HW_CRC:
-        raise RuntimeError("encode_epochs needs the compiled encoder with the CRC-32C instruction")
+    if not COMPILED:
+        raise RuntimeError("encode_epochs needs the compiled encoder")
     return _encode(epochs, None)
 
 
@@ -44,8 +46,17 @@ def write_epochs(epochs: list, prepare):
     (sealed epochs do not).
     """
     if not WRITES:
-        raise RuntimeError("write_epochs needs the compiled encoder with the CRC-32C instruction")
+        raise RuntimeError("write_epochs needs the compiled encoder on a 64-bit platform")
     return _encode(epochs, prepare)
+
+
+def use_crc_instruction(allow):
+    """Take checksums with the CRC-32C instruction if `allow` and the CPU has it, else with
+    the portable loop; returns whether the instruction is used. For the tests, which check
+    both ways on a machine that has it; call it while no batch is being encoded."""
+    if not COMPILED:
+        return False
+    return bool(wrenmq_crc_setup(1 if allow else 0))  # noqa: F821
 
 
 @cython.boundscheck(False)

@@ -33,8 +33,8 @@ from .state import META_SET, StateDB
 
 try:  # the compiled batch encoder (setup.py builds it when a C compiler is there)
     from . import _encode
-    # Only compiled, on a CPU with the CRC-32C instruction; else format's reference encoder.
-    _compiled_encode = _encode.encode_epochs if _encode.HW_CRC else None
+    # Only compiled; else format's reference encoder.
+    _compiled_encode = _encode.encode_epochs if _encode.COMPILED else None
     _compiled_write = _encode.write_epochs if _encode.WRITES else None
 except ImportError:  # not built, and Cython (which the source imports) not installed
     _compiled_encode = _compiled_write = None

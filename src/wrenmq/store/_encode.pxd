@@ -44,6 +44,10 @@ cdef extern from *:
         while (n--) c = wrenmq_crc_tab[0][(c ^ *p++) & 0xff] ^ (c >> 8);
         return ~c;
     }
+    static uint32_t wrenmq_crc32c_two_sw(uint32_t crc, uint32_t *region, const char *data, size_t n) {
+        *region = wrenmq_crc32c_sw(*region, data, n);
+        return wrenmq_crc32c_sw(crc, data, n);
+    }
     #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     #include <nmmintrin.h>
     __attribute__((target("sse4.2")))
@@ -89,14 +93,9 @@ cdef extern from *:
         __builtin_cpu_init();
         return __builtin_cpu_supports("sse4.2");
     }
-    #else
-    static uint32_t wrenmq_crc32c_hw(uint32_t crc, const char *data, size_t n) {
-        return wrenmq_crc32c_sw(crc, data, n);
-    }
-    static uint32_t wrenmq_crc32c_two_hw(uint32_t crc, uint32_t *region, const char *data, size_t n) {
-        *region = wrenmq_crc32c_sw(*region, data, n);
-        return wrenmq_crc32c_sw(crc, data, n);
-    }
+    #else  /* no instruction: the portable loop only (wrenmq_cpu_has_crc says so) */
+    #define wrenmq_crc32c_hw wrenmq_crc32c_sw
+    #define wrenmq_crc32c_two_hw wrenmq_crc32c_two_sw
     static int wrenmq_cpu_has_crc(void) { return 0; }
     #endif
     static int wrenmq_use_hw = 0;
@@ -115,9 +114,8 @@ cdef extern from *:
         return wrenmq_use_hw ? wrenmq_crc32c_hw(crc, data, n) : wrenmq_crc32c_sw(crc, data, n);
     }
     static uint32_t wrenmq_crc32c_two(uint32_t crc, uint32_t *region, const char *data, size_t n) {
-        if (wrenmq_use_hw) return wrenmq_crc32c_two_hw(crc, region, data, n);
-        *region = wrenmq_crc32c_sw(*region, data, n);
-        return wrenmq_crc32c_sw(crc, data, n);
+        return wrenmq_use_hw ? wrenmq_crc32c_two_hw(crc, region, data, n)
+                             : wrenmq_crc32c_two_sw(crc, region, data, n);
     }
     /* write_epochs hands writev an array of (address, length) pairs of 64-bit words:
        struct iovec's layout on 64-bit platforms only. */

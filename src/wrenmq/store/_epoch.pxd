@@ -40,7 +40,6 @@ cdef class Epoch:
     cdef public list ops
     cdef public bint durable
     cdef public long long count
-    cdef public long long nbytes
     cdef public long long var_used
     cdef public long long topic_bytes, client_bytes, props_bytes, payload_bytes
     cdef public long long first_ts, max_ts

@@ -89,7 +89,6 @@ class Epoch:
         self.ops = []
         self.durable = False
         self.count = 0
-        self.nbytes = 0  # memory the records hold: their bytes and fixed fields
         self.var_used = 0
         # Column totals and timestamps of the records, for the batch header.
         self.topic_bytes = self.client_bytes = self.props_bytes = self.payload_bytes = 0
@@ -139,17 +138,13 @@ class Epoch:
         self.client_bytes += lc
         self.props_bytes += lr
         self.payload_bytes += lp
-        self.nbytes += end - start + _fixed_size
 
     def _take_buffers(self):
         pool = self.pool
         if pool:
-            try:
-                self.fixed, self.var = pool.pop()
-                return
-            except IndexError:  # (the pool is only taken from on the loop: not expected)
-                pass
-        self.fixed, self.var = new_buffers()
+            self.fixed, self.var = pool.pop()  # (only the loop takes from the pool)
+        else:
+            self.fixed, self.var = new_buffers()
 
     def release(self):
         """Writer thread, once the records are written: they are read from the files from now
@@ -161,6 +156,11 @@ class Epoch:
         pool = self.pool
         if var is not None and pool is not None and len(var) <= POOL_MAX_BYTES:
             pool.append((fixed, var))  # (a bounded deque: the oldest buffers drop out)
+
+    @property
+    def nbytes(self):
+        """Memory the records hold: their bytes and fixed fields."""
+        return self.var_used + self.count * FIXED_SIZE
 
     @property
     def end(self):
@@ -254,7 +254,8 @@ class EpochAppender:
         e.add(ts_us, flags, topic_b, client_b, props_b, payload, packet_id)
         if qos:
             e.durable = True
-        elif (e.count >= _seal_records or e.nbytes >= _seal_bytes) and not e.durable:
+        elif (e.count >= _seal_records or e.var_used + e.count * _fixed_size >= _seal_bytes) \
+                and not e.durable:
             self.seal()
         return off
 

@@ -14,6 +14,7 @@ and group commits are written in order).
 
 import queue
 import sqlite3
+import threading
 import time
 
 import pytest
@@ -22,6 +23,7 @@ from conftest import RawClient, get_messages, no_message
 from mqtt_helpers import (drain, kill, no_reconnect, persistent, pprops, publish, raw_next,
                           raw_subscribe, session_present, sub, uid, wait_for)
 from wrenmq.mqtt import constants as C
+from wrenmq.mqtt.codec import encode
 from wrenmq.mqtt.packets import Connect, Pubcomp, Publish, Pubrec, Pubrel
 from wrenmq.store.log import LogReader
 
@@ -631,6 +633,47 @@ def test_qos2_id_released_before_a_kill_stays_released(durable, raw_client, vers
     assert raw_next(c2, C.PUBCOMP).packet_id == 5
     logged = [r.payload for r in b.records(["q2r/a"])]
     assert logged == [b"first", b"second"], f"the new message was taken for a resend: {logged}"
+
+
+@pytest.mark.parametrize("fsync", ["interval", "never"])
+def test_acknowledged_qos1_survives_kill_while_the_writer_is_behind(durable, raw_client, tmp_path, fsync):
+    """Under fsync "interval" and "never" a kill -9 (the machine stays up, and so does the
+    page cache) must not lose an acknowledged message either: the PUBACK waits until the
+    writer has written its record, even with the writer megabytes behind a QoS 0 flood.
+    The kill follows each PUBACK at once, several times, from a fresh data directory."""
+    big = b"f" * (64 * 1024)
+    flood_bytes = b"".join(
+        encode(Publish("flood/x", big, qos=0), C.MQTT311) for _ in range(64))  # 4 MiB a send
+    for attempt in range(4):
+        b = durable(f'[storage]\nfsync = "{fsync}"\nfsync_interval_ms = 100\n',
+                    data=tmp_path / f"data-{fsync}-{attempt}")
+        flood = raw_client(b.port)
+        flood.send(_connect(uid("flood"), 4, True, 0))
+        assert flood.recv().TYPE == C.CONNACK
+        c = raw_client(b.port)
+        c.send(_connect(uid("acked"), 4, True, 0))
+        assert c.recv().TYPE == C.CONNACK
+        stop = threading.Event()
+
+        def pour():
+            try:
+                while not stop.is_set():
+                    flood.sock.sendall(flood_bytes)
+            except OSError:  # the broker was killed
+                pass
+        t = threading.Thread(target=pour, daemon=True)
+        t.start()
+        # Let the writer fall behind (the flood is read in 64 KiB payloads, copied to the log).
+        assert wait_for(lambda: len(b.records(["flood/x"])) >= 200, 10)
+        c.send(Publish("acked/x", b"m%d" % attempt, qos=1, packet_id=7))
+        assert raw_next(c, C.PUBACK).packet_id == 7
+        b.shutdown("kill")
+        stop.set()
+        t.join(5)
+        logged = [r.payload for r in b.records(["acked/x"])]
+        assert logged == [b"m%d" % attempt], f"attempt {attempt}: acknowledged, then lost: {logged}"
+        c.close()
+        flood.close()
 
 
 # --- timers across downtime ------------------------------------------------------------------

@@ -142,8 +142,9 @@ class StorageSection:
                      "nothing survives a restart (tests, embedding).", choices=("disk", "memory"))
     data_dir: str = _key("./data", "Where the commit log (log/) and the state database (state.db) live.")
     fsync: str = _key("always", "\"always\": PUBACK/PUBREC/SUBACK leave only after what they confirm is "
-                      "fsynced; \"interval\": fsync every fsync_interval_ms (a crash of the machine, not "
-                      "of the broker, can lose that window); \"never\": leave it to the OS.",
+                      "fsynced; \"interval\": only after it is written (a kill -9 of the broker loses "
+                      "nothing acknowledged), fsync every fsync_interval_ms (a crash of the machine "
+                      "can lose that window); \"never\": written, the fsync left to the OS.",
                       choices=("always", "interval", "never"))
     fsync_interval_ms: int = _key(100, "Period of fsync under fsync = \"interval\".", 1, 60000)
     checkpoint_interval_ms: int = _key(1000, "How often session cursors are saved (a crash redelivers "

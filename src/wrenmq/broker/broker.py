@@ -340,6 +340,7 @@ class Broker:
             self._held[-1][1].extend(group)
         else:
             self._held.append([eid, group])
+        self.store.loop_holding = True
 
     def _on_durable(self, eid):
         """The store made epochs up to `eid` durable: release what they were holding."""
@@ -348,6 +349,8 @@ class Broker:
             _, group = held.popleft()
             for conn, data in group:
                 conn.write_now(data)
+        if not held:
+            self.store.loop_holding = False
 
     def _on_store_error(self, exc):
         """The disk failed us: nothing held may be sent (it was never made durable). Stop."""

@@ -112,7 +112,12 @@ class Store(EpochAppender):
         self.node_id = node_id_for(self.data_dir, config.broker.node_id)
         self.fsync = st.fsync
         self.fsync_interval = st.fsync_interval_ms / 1000.0
+        # Report every batch to the loop at once (under "always" a durable epoch's output
+        # waits for its fsync, and the output of later turns waits behind it).
         self.hold_output = st.fsync == "always"
+        # Set by the loop while it holds output for the writer (any fsync mode): the writer
+        # then reports each batch at once instead of every 20 ms.
+        self.loop_holding = False
         self.log_dir = os.path.join(self.data_dir, "log", self.node_id)
         # The log exists even with [log] enabled = false: it then holds only the private
         # records that keep messages owed to persistent sessions across restarts.
@@ -208,8 +213,15 @@ class Store(EpochAppender):
 
     @property
     def must_hold(self):
-        """True if output produced in this epoch must wait for it to be durable."""
-        return self.hold_output and self._epoch.durable
+        """True if output produced in this epoch must wait for the writer.
+
+        Under every fsync mode: an epoch with an acknowledged message or a durable state
+        change holds the turn's output until the writer has written it (and fsynced it,
+        under "always"), so a PUBACK never leaves for a record a kill -9 could still lose.
+        Under "interval" and "never" that is a hand-over to the writer thread, not a disk
+        wait: the page cache survives the process.
+        """
+        return self._epoch.durable
 
     @property
     def last_sealed(self):
@@ -276,6 +288,7 @@ class Store(EpochAppender):
         dirty = False
         stop = False
         unreported = None  # (epoch id, log end) written but not yet told to the loop
+        awaited = False  # an epoch written since the last report holds output on the loop
         while not stop:
             timeout = None
             if self.fsync == "interval" and dirty and not self._sync_busy:
@@ -314,6 +327,8 @@ class Store(EpochAppender):
                 held = []  # epochs whose records go into the next batch
                 count = nbytes = 0
                 for ep in epochs:
+                    if ep.durable:
+                        awaited = True
                     if ep.count:
                         held.append(ep)
                         count += ep.count
@@ -363,15 +378,17 @@ class Store(EpochAppender):
             if epochs:
                 unreported = (epochs[-1].id, through)
             # Tell the loop at once when it may be holding output for these epochs;
-            # otherwise (fsync interval/never) at most every 20 ms: a wake-up of the loop
-            # per loop turn would cost more than the writing.
+            # otherwise (QoS 0 only, fsync interval/never) at most every 20 ms: a wake-up
+            # of the loop per loop turn would cost more than the writing.
             if unreported is not None and self.loop is not None and (
-                    self.hold_output or stop or time.monotonic() - last_report >= 0.02):
+                    self.hold_output or awaited or self.loop_holding or stop
+                    or time.monotonic() - last_report >= 0.02):
                 try:
                     self.loop.call_soon_threadsafe(self._written, *unreported)
                 except RuntimeError:  # loop closed during shutdown
                     pass
                 unreported = None
+                awaited = False
                 last_report = time.monotonic()
 
     def _sync_loop(self):

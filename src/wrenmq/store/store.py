@@ -75,6 +75,9 @@ _BATCH_BYTES = 1 << 20
 SEAL_DELAY = 0.02  # seconds a QoS 0-only epoch may keep growing before it is written
 _THROUGH_EVERY = 1.0  # seconds log_through may lag while no state changes are written
 _SYNCED = object()  # the syncer's wake-up of the writer: a sync finished
+# How long the writer lets QoS 0-only epochs gather before it takes them (a durable
+# epoch, a waiting loop or a close cuts it short).
+GATHER = 0.002
 
 
 def node_id_for(data_dir, configured):
@@ -143,6 +146,7 @@ class Store(EpochAppender):
         self._client_bytes = {}
         self.written_through = self.next_offset
         self._queue = queue.SimpleQueue()
+        self._urgent = threading.Event()  # set when something the loop waits on is queued
         # Record bytes handed to the writer (loop) and written by it (writer thread); each
         # counter has one writer, so their difference is read without a lock.
         self.sealed_bytes = 0
@@ -179,6 +183,7 @@ class Store(EpochAppender):
         if self._thread is not None:
             self.seal()
             self._queue.put(None)
+            self._urgent.set()
             self._thread.join()
             self._thread = None
         if self._syncer is not None:
@@ -223,6 +228,15 @@ class Store(EpochAppender):
         """
         return self._epoch.durable
 
+    def seal(self):
+        """Hand the current epoch to the writer (EpochAppender.seal); wake the writer at
+        once if the epoch holds anything acknowledged or durable."""
+        durable = self._epoch.durable
+        eid = EpochAppender.seal(self)
+        if durable:
+            self._urgent.set()
+        return eid
+
     @property
     def last_sealed(self):
         return self._last_id
@@ -248,6 +262,7 @@ class Store(EpochAppender):
         if self.unwritten_bytes <= self._drain_at or self.failed is not None:
             self._drain_at = None
             return False
+        self._urgent.set()
         return True
 
     def _written(self, eid, through):
@@ -300,6 +315,7 @@ class Store(EpochAppender):
             except queue.Empty:
                 e = False
             epochs = []
+            batch_durable = False
             retention = None
             while e is not False:
                 if e is None:
@@ -328,7 +344,7 @@ class Store(EpochAppender):
                 count = nbytes = 0
                 for ep in epochs:
                     if ep.durable:
-                        awaited = True
+                        awaited = batch_durable = True
                     if ep.count:
                         held.append(ep)
                         count += ep.count
@@ -390,6 +406,13 @@ class Store(EpochAppender):
                 unreported = None
                 awaited = False
                 last_report = time.monotonic()
+            if epochs and not stop and not batch_durable and not self.loop_holding and self._drain_at is None:
+                # It wrote QoS 0 records only, and nothing waits for it: let the next
+                # epochs gather before taking them. Each time it wakes the writer takes the
+                # GIL twice, and the loop pays for every hand-over (docs/BENCHMARKS.md,
+                # stop 17). A durable epoch, a waiting loop or a close cuts this short.
+                self._urgent.wait(GATHER)
+                self._urgent.clear()
 
     def _sync_loop(self):
         """The syncer thread: fdatasync each descriptor the writer hands over, then close it.

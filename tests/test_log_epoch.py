@@ -152,3 +152,50 @@ def test_written_epochs_buffers_are_reused_and_the_pool_is_bounded(tmp_path):
     # About 80 epochs were filled from a handful of buffers.
     assert len(made) <= maxlen, len(made)
     assert n == 40 * 128
+
+
+def test_the_writer_gathers_qos0_epochs_and_a_durable_one_cuts_the_gather_short(tmp_path, monkeypatch):
+    """After a batch of QoS 0 records only, the writer waits up to store.GATHER for more
+    epochs before it takes them (fewer GIL hand-overs in a flood). A durable epoch (a
+    QoS 1 record here: the loop may be holding its PUBACK) ends that wait at once, and so
+    does close. The gather is set to 30 s here, so a wait nothing cut short would show."""
+    import asyncio
+    import time
+
+    from wrenmq.config import load
+    from wrenmq.store import store as store_module
+
+    monkeypatch.setattr(store_module, "GATHER", 30.0)
+
+    async def main():
+        cfg = load(text="[storage]\nfsync = 'never'\n")
+        cfg.storage.data_dir = str(tmp_path)
+        st = Store(cfg)
+        st.start(asyncio.get_running_loop())
+
+        def written(n, timeout):
+            deadline = time.monotonic() + timeout
+            while st.appended < n and time.monotonic() < deadline:
+                time.sleep(0.002)
+            return st.appended
+
+        st.append_record(1_000, 0, False, b"fleet/1", "dev-1", b"", b"first")
+        st.seal()
+        first = written(1, 10)  # the writer was idle: at once; now it gathers
+        st.append_record(2_000, 0, False, b"fleet/1", "dev-1", b"", b"second")
+        st.seal()
+        gathering = written(2, 0.5)  # QoS 0 only: it waits for the gather
+        st.append_record(3_000, 1, False, b"fleet/1", "dev-1", b"", b"third")
+        st.seal()
+        woken = written(3, 10)  # durable: the gather ends now
+        st.append_record(4_000, 0, False, b"fleet/1", "dev-1", b"", b"fourth")
+        st.seal()
+        written(4, 0.2)  # (the writer is gathering again)
+        t0 = time.monotonic()
+        st.close()
+        return first, gathering, woken, time.monotonic() - t0, st.appended
+
+    first, gathering, woken, closing, appended = asyncio.run(main())
+    assert (first, gathering, woken) == (1, 1, 3)
+    assert closing < 10, closing
+    assert appended == 4

@@ -277,10 +277,14 @@ def test_overlapping_subscriptions_v311_one_copy_highest_qos(broker, clients):
     sub(c, "ov/+", 2)
     sub(c, "ov/t", 1)
     p = clients(broker.port, version=4)
+    # One message at a time: paho hands a QoS 2 message over only at PUBREL, so a QoS 1
+    # message sent right after can reach the application first.
     publish(p, "ov/t", b"q2", 2)
+    [m] = get_messages(c, 1)
+    assert (m.payload, m.qos) == (b"q2", 2)
     publish(p, "ov/t", b"q1", 1)
-    got = get_messages(c, 2)
-    assert [(m.payload, m.qos) for m in got] == [(b"q2", 2), (b"q1", 1)]
+    [m] = get_messages(c, 1)
+    assert (m.payload, m.qos) == (b"q1", 1)
     no_message(c, 0.3)
 
 

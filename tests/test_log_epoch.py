@@ -154,23 +154,22 @@ def test_written_epochs_buffers_are_reused_and_the_pool_is_bounded(tmp_path):
     assert n == 40 * 128
 
 
-def test_the_writer_gathers_qos0_epochs_and_a_durable_one_cuts_the_gather_short(tmp_path, monkeypatch):
-    """After a batch of QoS 0 records only, the writer waits up to store.GATHER for more
-    epochs before it takes them (fewer GIL hand-overs in a flood). A durable epoch (a
-    QoS 1 record here: the loop may be holding its PUBACK) ends that wait at once, and so
-    does close. The gather is set to 30 s here, so a wait nothing cut short would show."""
+def test_the_writer_gathers_qos0_epochs_and_a_durable_one_cuts_the_gather_short(tmp_path):
+    """After a batch of QoS 0 records only, the writer waits up to `Store.gather` (GATHER)
+    for more epochs before it takes them (fewer GIL hand-overs in a flood). A durable
+    epoch (a QoS 1 record here: the loop may be holding its PUBACK) ends that wait at
+    once, and so does close. The gather is set to 30 s here, so a wait nothing cut short
+    would show."""
     import asyncio
     import time
 
     from wrenmq.config import load
-    from wrenmq.store import store as store_module
-
-    monkeypatch.setattr(store_module, "GATHER", 30.0)
 
     async def main():
         cfg = load(text="[storage]\nfsync = 'never'\n")
         cfg.storage.data_dir = str(tmp_path)
         st = Store(cfg)
+        st.gather = 30.0
         st.start(asyncio.get_running_loop())
 
         def written(n, timeout):

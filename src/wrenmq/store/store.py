@@ -117,7 +117,9 @@ class Store(EpochAppender):
         self.fsync_interval = st.fsync_interval_ms / 1000.0
         # Report every batch to the loop at once (under "always" a durable epoch's output
         # waits for its fsync, and the output of later turns waits behind it).
-        self.hold_output = st.fsync == "always"
+        self.report_every_batch = st.fsync == "always"
+        # Seconds the writer lets QoS 0-only epochs gather (GATHER; tests lengthen it).
+        self.gather = GATHER
         # Set by the loop while it holds output for the writer (any fsync mode): the writer
         # then reports each batch at once instead of every 20 ms.
         self.loop_holding = False
@@ -397,7 +399,7 @@ class Store(EpochAppender):
             # otherwise (QoS 0 only, fsync interval/never) at most every 20 ms: a wake-up
             # of the loop per loop turn would cost more than the writing.
             if unreported is not None and self.loop is not None and (
-                    self.hold_output or awaited or self.loop_holding or stop
+                    self.report_every_batch or awaited or self.loop_holding or stop
                     or time.monotonic() - last_report >= 0.02):
                 try:
                     self.loop.call_soon_threadsafe(self._written, *unreported)
@@ -411,7 +413,7 @@ class Store(EpochAppender):
                 # epochs gather before taking them. Each time it wakes the writer takes the
                 # GIL twice, and the loop pays for every hand-over (docs/BENCHMARKS.md,
                 # stop 17). A durable epoch, a waiting loop or a close cuts this short.
-                self._urgent.wait(GATHER)
+                self._urgent.wait(self.gather)
                 self._urgent.clear()
 
     def _sync_loop(self):

@@ -3,8 +3,8 @@
     python -m wrenmq.bench.suite [--quick] [--repeat N] [--markdown FILE]
 
 1. wrenmq (commit log off) vs Mosquitto: every mqload row, MQTT 3.1.1 and 5.0.
-2. The commit log on (fsync every 100 ms) against off: the QoS 0 rows, the two
-   alternating round by round; then what the log costs in broker CPU per message at
+2. The commit log on (fsync every 100 ms) against off: the QoS 0 rows, both brokers
+   up, alternating run by run (logrows.py); then what the log costs in broker CPU per message at
    a fixed rate (logcost.py).
 3. Durability: the seed workload at QoS 1 with fsync "always" and "never", and Mosquitto
    (which cannot make that promise).
@@ -19,15 +19,13 @@ import argparse
 import datetime as dt
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from . import harness, hostile, logcost
+from . import harness, hostile, logcost, logrows
 
 HERE = Path(__file__).parent
-LOG_ROWS = ["a1", "a2", "b0", "c", "d"]
 
 
 def _harness(args, label):
@@ -50,6 +48,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="part 1 only, one run per row")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--log-rounds", type=int, default=logrows.ROUNDS,
+                   help=f"rounds of part 2, log off vs on (default {logrows.ROUNDS})")
     p.add_argument("--markdown", metavar="FILE", help="also write the summary as Markdown to FILE")
     a = p.parse_args(argv)
     rep = ["--repeat", "1" if a.quick else str(a.repeat)]
@@ -65,27 +65,19 @@ def main(argv=None):
     if a.quick:
         return max(rcs)
 
-    # Log off and log on alternate row set by row set (one run of each row per round):
-    # this VM's speed drifts by 15-40% over minutes, so comparing the log-on runs with
-    # part 1's log-off runs, taken earlier, measured the drift as much as the log.
-    rounds = a.repeat
-    runs = {"off": {}, "on": {}}
-    for i in range(rounds):
-        for side, cfg in (("off", "wrenmq-memory.toml"), ("on", "wrenmq-log.toml")):
-            rc, doc = _harness(["--repeat", "1", "--scenarios", ",".join(LOG_ROWS), "--only", "wrenmq",
-                                "--wrenmq-config", str(HERE / cfg)],
-                               f"2. commit log {side} (round {i + 1} of {rounds}; on = fsync interval 100 ms)")
-            rcs.append(rc)
-            for key, v in _medians(doc).items():
-                if v:
-                    runs[side].setdefault(key, []).append(v)
-    lines.append(f"\nCommit log on / off (wrenmq, {rounds} alternating rounds, medians):")
-    for key, ons in runs["on"].items():
-        offs = runs["off"].get(key)
-        if offs:
-            off_m, on_m = statistics.median(offs), statistics.median(ons)
-            lines.append(f"  {key[0]:<4} {key[1]:<22} off {off_m:>10,.0f}  on {on_m:>10,.0f}  "
-                         f"on/off {on_m / off_m:.2f}x")
+    # Log off and log on: two brokers up at once, alternating run by run (logrows.py).
+    print(f"\n### 2. commit log off vs on ({a.log_rounds} rounds; on = fsync interval 100 ms)\n", flush=True)
+    ljson = tempfile.mktemp(suffix=".json")
+    rcs.append(logrows.main(["--rounds", str(a.log_rounds), "--json", ljson]))
+    if os.path.exists(ljson):
+        doc = json.loads(Path(ljson).read_text())
+        lines.append(f"\nCommit log on / off (wrenmq, both up, {a.log_rounds} rounds alternating run by run, "
+                     f"medians; 'pairs' = median of each back-to-back pair's ratio):")
+        for r in doc["rows"]:
+            lines.append(f"  {r['row']:<4} {r['metric']:<22} off {r['off_median']:>10,.0f}  "
+                         f"on {r['on_median']:>10,.0f}  on/off {r['ratio']:.2f}x  pairs {r['pair_ratio_median']:.2f}x")
+        for line in doc["problems"]:
+            lines.append(f"  problem: {line}")
 
     print("\n### 2b. commit log cost in broker CPU at a fixed rate\n", flush=True)
     cjson = tempfile.mktemp(suffix=".json")

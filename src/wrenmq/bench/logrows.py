@@ -1,0 +1,105 @@
+"""The QoS 0 rows with the commit log off and on: both brokers up, alternating run by run.
+
+    python -m wrenmq.bench.logrows [--rounds 9] [--scenarios a1,a2,b0,c,d] [--json OUT]
+
+Two wrenmq brokers run side by side for the whole comparison, one with the log off
+(`wrenmq-memory.toml`) and one with it on (`wrenmq-log.toml`, fsync every 100 ms). Every
+round runs each row once on each, the two back to back, the first of the pair swapping
+from row to row and round to round. This VM's speed drifts by 15-40% within minutes
+(docs/BENCHMARKS.md): comparing rounds that restarted the brokers half a minute apart
+measured that drift as much as the log, and three rounds left a row's ratio anywhere
+between 0.54x and 0.80x. Back-to-back pairs see the same machine; the ratio is that of
+the two sides' medians, and each pair's own ratio is kept too (its median is printed).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from .brokers import BrokerError, Wrenmq
+from .harness import WRENMQ_PORT, bench_setup, run_mqload
+from .scenarios import SCENARIOS
+
+HERE = Path(__file__).parent
+ROWS = ["a1", "a2", "b0", "c", "d"]
+ROUNDS = 9
+SIDES = [("off", "wrenmq-memory.toml", WRENMQ_PORT + 5), ("on", "wrenmq-log.toml", WRENMQ_PORT + 6)]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=ROUNDS)
+    p.add_argument("--scenarios", default=",".join(ROWS), help="comma-separated row ids")
+    p.add_argument("--pause", type=float, default=0.3, help="seconds between runs")
+    p.add_argument("--run-timeout", type=float, default=120.0)
+    p.add_argument("--json", metavar="OUT")
+    a = p.parse_args(argv)
+    ids = [s for s in a.scenarios.split(",") if s]
+    unknown = [s for s in ids if s not in SCENARIOS]
+    if unknown or a.rounds < 1:
+        p.error(f"unknown rows {unknown}" if unknown else "--rounds must be >= 1")
+    root, mqload, wrenmq, log_dir = bench_setup()
+    if not mqload or not wrenmq:
+        print("logrows: mqload or wrenmq not found (run `make bench`)", file=sys.stderr)
+        return 2
+    brokers = {name: Wrenmq(wrenmq, port, log_dir, root, config=str(HERE / conf))
+               for name, conf, port in SIDES}
+    values = {sid: {name: [] for name in brokers} for sid in ids}
+    problems = []
+    try:
+        for name, b in brokers.items():
+            b.name = f"wrenmq-log-{name}"  # (its log file under .bench/logs)
+            b.start()
+        for rnd in range(a.rounds):
+            for si, sid in enumerate(ids):
+                metric = SCENARIOS[sid].metrics[0]
+                order = list(brokers) if (rnd + si) % 2 == 0 else list(brokers)[::-1]
+                for name in order:
+                    b = brokers[name]
+                    if not b.alive():
+                        b.start()
+                    run = run_mqload(mqload, sid, b, rnd, a.run_timeout)
+                    v = metric.get(run.result) if run.clean else None
+                    if v is None:
+                        problems.append(f"{sid} {name} round {rnd + 1}: {run.problem() or 'no figure'}")
+                    else:
+                        values[sid][name].append(v)
+                    lost = (run.result or {}).get("lost") or 0
+                    if lost:
+                        problems.append(f"{sid} {name} round {rnd + 1}: {lost} lost")
+                    time.sleep(a.pause)
+            print(f"logrows: round {rnd + 1} of {a.rounds} done", file=sys.stderr, flush=True)
+    except BrokerError as e:
+        problems.append(f"broker: {e}")
+    finally:
+        for b in brokers.values():
+            b.stop()
+    results = []
+    print(f"{'row':<5} {'metric':<20} {'off (median)':>13} {'on (median)':>12} {'on/off':>7} "
+          f"{'pairs':>6}  off min-max / on min-max")
+    for sid in ids:
+        off, on = values[sid]["off"], values[sid]["on"]
+        if not off or not on:
+            continue
+        pairs = [y / x for x, y in zip(off, on)]
+        r = {"row": sid, "metric": SCENARIOS[sid].metrics[0].key, "off": off, "on": on,
+             "off_median": statistics.median(off), "on_median": statistics.median(on),
+             "ratio": statistics.median(on) / statistics.median(off),
+             "pair_ratio_median": statistics.median(pairs)}
+        results.append(r)
+        print(f"{sid:<5} {r['metric']:<20} {r['off_median']:>13,.0f} {r['on_median']:>12,.0f} "
+              f"{r['ratio']:>6.2f}x {r['pair_ratio_median']:>5.2f}x  "
+              f"{min(off):,.0f}-{max(off):,.0f} / {min(on):,.0f}-{max(on):,.0f}", flush=True)
+    for line in problems:
+        print(f"problem: {line}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rounds": a.rounds, "rows": results, "problems": problems},
+                                           indent=1) + "\n")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,10 +2,12 @@
 
     python -m wrenmq.bench.logrows [--rounds 9] [--scenarios a1,a2,b0,c,d] [--json OUT]
 
-Two wrenmq brokers run side by side for the whole comparison, one with the log off
-(`wrenmq-memory.toml`) and one with it on (`wrenmq-log.toml`, fsync every 100 ms). Every
-round runs each row once on each, the two back to back, the first of the pair swapping
-from row to row and round to round. This VM's speed drifts by 15-40% within minutes
+Two wrenmq brokers run side by side, one with the log off (`wrenmq-memory.toml`) and
+one with it on (`wrenmq-log.toml`, fsync every 100 ms), both started afresh (new data
+directories) every round. Every round runs each row once on each, the two back to
+back, the first of the pair swapping from row to row and round to round. (Fresh every
+round: a broker kept for all rounds wrote 1.3 GB, and in some quarter hours this VM's
+disk then held its writer back until a2 fell to 0.4x, with fsync "never" as well.) This VM's speed drifts by 15-40% within minutes
 (docs/BENCHMARKS.md): comparing rounds that restarted the brokers half a minute apart
 measured that drift as much as the log, and three rounds left a row's ratio anywhere
 between 0.54x and 0.80x. Back-to-back pairs see the same machine; the ratio is that of
@@ -52,8 +54,10 @@ def main(argv=None):
     try:
         for name, b in brokers.items():
             b.name = f"wrenmq-log-{name}"  # (its log file under .bench/logs)
-            b.start()
         for rnd in range(a.rounds):
+            for b in brokers.values():  # fresh brokers and data directories every round
+                b.stop()
+                b.start()
             for si, sid in enumerate(ids):
                 metric = SCENARIOS[sid].metrics[0]
                 order = list(brokers) if (rnd + si) % 2 == 0 else list(brokers)[::-1]

@@ -113,6 +113,7 @@ class Router:
         self._seq = count()
         self.on_timer = None  # broker callback(deadline) when the earliest timer changes
         self.persist = None  # Persistence (commit log + state) when storage is on disk
+        self.log_publish = None  # with it, the store's log_publish (the hot path's one call)
         self.maximum_qos = config.broker.maximum_qos
         self.retain_available = config.broker.retain_available
         self.max_queued = self.limits.max_queued_messages
@@ -560,14 +561,13 @@ class Router:
             hit = self._matches.get(topic)
             if hit is None:
                 hit = self._match(topic)
+            logged = hit[2]
             if not (hit[0] or hit[1] or retain) and hooks.on_publish is None and (
-                    not hit[2] or not (props or self.limits.max_message_expiry)):
+                    logged is None or not (props or self.limits.max_message_expiry)):
                 # Nobody receives it and it is not retained: no message to build. If the
                 # topic is recorded, the log gets the record straight from the packet.
-                if hit[2]:
-                    self.persist.store.append_record(
-                        self.rx_us, qos, False, hit[2], session.client_id,
-                        b"", pkt.payload, pid if qos == 2 else 0)
+                if logged is not None:
+                    self.log_publish(self.rx_us, qos, logged, session.client_id, pkt.payload, pid)
                 if session.v5:
                     reason = C.NO_MATCHING_SUBSCRIBERS
             else:

@@ -3,15 +3,17 @@
     python -m wrenmq.bench.logrows [--rounds 9] [--scenarios a1,a2,b0,c,d] [--json OUT]
 
 Two wrenmq brokers run side by side, one with the log off (`wrenmq-memory.toml`) and
-one with it on (`wrenmq-log.toml`, fsync every 100 ms), both started afresh (new data
-directories) every round. Every round runs each row once on each, the two back to
-back, the first of the pair swapping from row to row and round to round. (Fresh every
-round: a broker kept for all rounds wrote 1.3 GB, and in some quarter hours this VM's
-disk then held its writer back until a2 fell to 0.4x, with fsync "never" as well.) This VM's speed drifts by 15-40% within minutes
-(docs/BENCHMARKS.md): comparing rounds that restarted the brokers half a minute apart
-measured that drift as much as the log, and three rounds left a row's ratio anywhere
-between 0.54x and 0.80x. Back-to-back pairs see the same machine; the ratio is that of
-the two sides' medians, and each pair's own ratio is kept too (its median is printed).
+one with it on (`wrenmq-log.toml`, fsync every 100 ms). Every round starts both afresh
+(new data directories) and runs each row once on each, the two back to back, the first
+of the pair swapping from row to row and round to round. The ratio is that of the two
+sides' medians; each pair's own ratio is kept too (its median is printed).
+
+Why: this VM's speed drifts by 15-40% within minutes (docs/BENCHMARKS.md). Rounds that
+ran all rows on one broker and then on the other, half a minute apart, measured that
+drift as much as the log: three of them left a row's ratio anywhere between 0.54x and
+0.80x. Why fresh every round: brokers kept for all rounds wrote 1.3 GB, and in some
+quarter hours this VM's disk then held the writer back until a2 fell to 0.4x (with
+fsync "never" as well).
 """
 
 import argparse

@@ -4,8 +4,8 @@
 
 1. wrenmq (commit log off) vs Mosquitto: every mqload row, MQTT 3.1.1 and 5.0.
 2. The commit log on (fsync every 100 ms) against off: the QoS 0 rows, both brokers
-   up, alternating run by run (logrows.py); then what the log costs in broker CPU per message at
-   a fixed rate (logcost.py).
+   up, alternating run by run (logrows.py); then what the log costs in broker CPU per
+   message at a fixed rate (logcost.py).
 3. Durability: the seed workload at QoS 1 with fsync "always" and "never", and Mosquitto
    (which cannot make that promise).
 4. Hostile load: a well-behaved pair's latency while thousands of connections say
@@ -66,16 +66,18 @@ def main(argv=None):
         return max(rcs)
 
     # Log off and log on: two brokers up at once, alternating run by run (logrows.py).
-    print(f"\n### 2. commit log off vs on ({a.log_rounds} rounds; on = fsync interval 100 ms)\n", flush=True)
+    print(f"\n### 2. commit log off vs on ({a.log_rounds} rounds; on = fsync interval 100 ms)\n",
+          flush=True)
     ljson = tempfile.mktemp(suffix=".json")
     rcs.append(logrows.main(["--rounds", str(a.log_rounds), "--json", ljson]))
     if os.path.exists(ljson):
         doc = json.loads(Path(ljson).read_text())
-        lines.append(f"\nCommit log on / off (wrenmq, both up, {a.log_rounds} rounds alternating run by run, "
-                     f"medians; 'pairs' = median of each back-to-back pair's ratio):")
+        lines.append(f"\nCommit log on / off (wrenmq, both up, {a.log_rounds} rounds alternating run "
+                     f"by run, medians; 'pairs' = median of each back-to-back pair's ratio):")
         for r in doc["rows"]:
             lines.append(f"  {r['row']:<4} {r['metric']:<22} off {r['off_median']:>10,.0f}  "
-                         f"on {r['on_median']:>10,.0f}  on/off {r['ratio']:.2f}x  pairs {r['pair_ratio_median']:.2f}x")
+                         f"on {r['on_median']:>10,.0f}  on/off {r['ratio']:.2f}x  "
+                         f"pairs {r['pair_ratio_median']:.2f}x")
         for line in doc["problems"]:
             lines.append(f"  problem: {line}")
 

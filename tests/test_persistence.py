@@ -968,6 +968,23 @@ def test_interval_fsyncs_are_counted_and_kill_loses_nothing(durable, pc):
     assert [r.payload for r in b.records() if r.topic == "sy/x"] == [b"%04d" % i for i in range(40)]
 
 
+def test_interval_rolled_segments_are_synced_by_the_syncer_and_kill_loses_nothing(durable, pc):
+    """fsync = "interval": a segment the log rolls away from is fsynced by the syncer
+    thread (the writer goes on with the next one), every one of them, counted in
+    $SYS/broker/log/sealed_syncs; what was acknowledged, across all the segments, is in
+    the log after a kill -9."""
+    b = durable('[storage]\nfsync = "interval"\nfsync_interval_ms = 20\n'
+                '[log]\nsegment_bytes = 4096\n[sys]\ninterval = 0.2\n')
+    p = pc(b.port, version=4)
+    for i in range(60):
+        publish(p, "sr/x", b"%04d" % i + b"." * 700, 1)
+    segments = sys_value(pc, b.port, "$SYS/broker/log/segments", lambda v: v >= 5)
+    assert sys_value(pc, b.port, "$SYS/broker/log/sealed_syncs", lambda v: v >= segments - 1) \
+        == segments - 1
+    b.restart("kill")
+    assert [r.payload[:4] for r in b.records() if r.topic == "sr/x"] == [b"%04d" % i for i in range(60)]
+
+
 # --- the offline queue beyond max_queued_messages ----------------------------------------------
 
 

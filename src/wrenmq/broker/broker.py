@@ -442,6 +442,7 @@ class Broker:
             "$SYS/broker/log/unwritten_bytes": store.unwritten_bytes,
             "$SYS/broker/log/writer_waits": store.reader_waits,
             "$SYS/broker/log/syncs": store.syncs,
+            "$SYS/broker/log/sealed_syncs": store.sealed_syncs,
         }
         if store.log is not None:
             values["$SYS/broker/log/segments"] = len(store.log.segments)

@@ -164,11 +164,14 @@ class Store(EpochAppender):
         self._sync_busy = False  # a sync handed to the syncer has not finished
         self._sync_error = None
         self.syncs = 0  # fdatasyncs of the log that finished
+        self.sealed_syncs = 0  # segments the log rolled away from that the syncer fsynced
         self.failed = None
         self.appended = 0
         self.bytes_appended = 0
         # Records deleted while persistent sessions still needed them (kept across restarts).
         self.lost_to_retention = int(self.db.meta().get("retention_lost", 0))
+        if st.fsync == "never":  # a segment the log rolls away from is the kernel's to write back
+            self.log.sealed_sync = False
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -179,6 +182,8 @@ class Store(EpochAppender):
         if self.fsync == "interval":
             self._syncer = threading.Thread(target=self._sync_loop, name="wrenmq-sync", daemon=True)
             self._syncer.start()
+            # A segment the log rolls away from is fsynced by the syncer, not by the writer.
+            self.log.sealed_sync = self._sync_queue.put
 
     def close(self):
         """Seal what is pending, wait for the writer to finish it, close files."""
@@ -420,25 +425,35 @@ class Store(EpochAppender):
         """The syncer thread: fdatasync each descriptor the writer hands over, then close it.
 
         A sync still running when the next interval is due delays that one (the writer
-        asks again when this one reports); they never pile up.
+        asks again when this one reports); they never pile up. A tuple is the log and
+        index descriptors of a segment the log rolled away from (CommitLog.sealed_sync):
+        synced in the order handed over, so before any later sync of the next segment.
         """
         q = self._sync_queue
         while True:
-            fd = q.get()
-            if fd is None:
+            item = q.get()
+            if item is None:
                 return
+            sealed = type(item) is tuple
+            fds = item if sealed else (item,)
             try:
-                os.fdatasync(fd)
-                self.syncs += 1
+                for fd in fds:
+                    os.fdatasync(fd)
+                if sealed:
+                    self.sealed_syncs += 1
+                else:
+                    self.syncs += 1
             except OSError as exc:  # the writer raises it: durability can no longer be promised
                 self._sync_error = exc
             finally:
-                try:
-                    os.close(fd)
-                except OSError:  # (nothing to lose: the sync's own outcome is what counts)
-                    pass
-                self._sync_busy = False
-                self._queue.put(_SYNCED)
+                for fd in fds:
+                    try:
+                        os.close(fd)
+                    except OSError:  # (nothing to lose: the sync's own outcome is what counts)
+                        pass
+                if not sealed:
+                    self._sync_busy = False
+                    self._queue.put(_SYNCED)
 
     def _release(self, epochs):
         """Writer side: these epochs are written (in the page cache, readable from the

@@ -1,6 +1,6 @@
 """The log's per-message steps (store/_epoch.py): compiled and from source, the same records.
 
-`Store.append`, `Store.append_record` and `Store.log_publish` live in `_epoch`, which
+`Store.append`, `Store.append_record` and `TopicLog.record` live in `_epoch`, which
 the install compiles (its types are in `_epoch.pxd`). Here a real Store takes the same
 appends once with the compiled module and once with the Python source
 (WRENMQ_PURE_PYTHON=1, in a child process), reads them back from memory before the
@@ -40,8 +40,8 @@ async def main(data_dir):
         if i % 3 == 2 and i % 7 and i % 11:  # not retained, not private: the router's call
             at = st.next_offset
             # A packet id comes along at QoS 1 and 2; the record keeps the QoS 2 one only.
-            assert st.log_publish(1_000_000 + i, qos, b"t/%d" % (i % 4), "dev-%d" % (i % 2),
-                                  b"p%d" % i, i % 65536 if qos else None) is None
+            assert st.topic_log(b"t/%d" % (i % 4)).record(
+                1_000_000 + i, qos, "dev-%d" % (i % 2), b"p%d" % i, i % 65536 if qos else None) is None
             offsets.append(at)
         elif i % 3:
             offsets.append(st.append_record(1_000_000 + i, qos, i % 7 == 0, b"t/%d" % (i % 4),
@@ -110,11 +110,11 @@ def test_compiled_and_source_append_the_same_records(tmp_path):
     # Spot checks against what was appended (the flags and the two paths).
     r = by_offset[1]  # append_record: QoS 0, not retained, not private
     assert r[1:] == [1_000_001, 0, False, "t/1", "dev-1", "", b"p1".hex(), 0, False]
-    r = by_offset[2]  # log_publish: QoS 0
+    r = by_offset[2]  # TopicLog.record: QoS 0
     assert r[1:] == [1_000_002, 0, False, "t/2", "dev-0", "", b"p2".hex(), 0, False]
-    r = by_offset[8]  # log_publish: QoS 1, its packet id not kept
+    r = by_offset[8]  # TopicLog.record: QoS 1, its packet id not kept
     assert r[1:] == [1_000_008, 1, False, "t/0", "dev-0", "", b"p8".hex(), 0, False]
-    r = by_offset[29]  # log_publish: QoS 2 keeps the packet id
+    r = by_offset[29]  # TopicLog.record: QoS 2 keeps the packet id
     assert r[1:] == [1_000_029, 2, False, "t/1", "dev-1", "", b"p29".hex(), 29, False]
     r = by_offset[44]  # append_record: i % 11 == 0 -> private; QoS 2 keeps the packet id
     assert r[2] == 2 and r[8] == 44 and r[9] is True

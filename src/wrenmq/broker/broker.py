@@ -117,7 +117,7 @@ class Broker:
         self.store = store
         persist = Persistence(self.router, store)
         self.router.persist = persist
-        self.router.log_publish = store.log_publish
+        self.router.topic_log = store.topic_log
         persist.restore()
         store.start(self.loop)
         log.info("storage: %s (node %s, fsync %s, log %s at offset %d)", store.data_dir, store.node_id,

@@ -113,7 +113,7 @@ class Router:
         self._seq = count()
         self.on_timer = None  # broker callback(deadline) when the earliest timer changes
         self.persist = None  # Persistence (commit log + state) when storage is on disk
-        self.log_publish = None  # with it, the store's log_publish (the hot path's one call)
+        self.topic_log = None  # with it, the store's topic_log (the match cache's handle on a logged topic)
         self.maximum_qos = config.broker.maximum_qos
         self.retain_available = config.broker.retain_available
         self.max_queued = self.limits.max_queued_messages
@@ -561,13 +561,13 @@ class Router:
             hit = self._matches.get(topic)
             if hit is None:
                 hit = self._match(topic)
-            logged = hit[2]
+            direct = hit[3]
             if not (hit[0] or hit[1] or retain) and hooks.on_publish is None and (
-                    logged is None or not (props or self.limits.max_message_expiry)):
+                    hit[2] is None or not props and direct is not None):
                 # Nobody receives it and it is not retained: no message to build. If the
                 # topic is recorded, the log gets the record straight from the packet.
-                if logged is not None:
-                    self.log_publish(self.rx_us, qos, logged, session.client_id, pkt.payload, pid)
+                if direct is not None:
+                    direct.record(self.rx_us, qos, session.client_id, pkt.payload, pid)
                 if session.v5:
                     reason = C.NO_MATCHING_SUBSCRIBERS
             else:
@@ -776,8 +776,8 @@ class Router:
         if hit is None:
             hit = self._match(topic)
         persist = self.persist
-        if hit[2]:
-            persist.store.append(msg, packet_id, hit[2])
+        if hit[2] is not None:
+            persist.store.append(msg, packet_id, hit[2].topic)
         if msg.retain:
             if msg.payload:
                 self.retained.set(msg.topic, msg)
@@ -805,10 +805,14 @@ class Router:
         normal = tuple((s, q, rap, tuple(sorted(ids)), nl) for s, (q, rap, ids, nl) in agg.items())
         groups = tuple(g for values in self.shared.match(topic) for g in values.values())
         persist = self.persist
-        # The third field: the topic's bytes if the log records it (else None), so a
-        # logged message does not encode its topic again.
-        logged = topic.encode() if persist is not None and persist.logged(topic) else None
-        result = (normal, groups, logged)
+        # The third field: the store's handle on the topic if the log records it (else
+        # None): its bytes, so a logged message does not encode its topic again, and the
+        # call that records a PUBLISH nobody receives. The fourth: the same handle if such
+        # a PUBLISH (no properties) may be recorded straight from the packet, which
+        # `[limits] max_message_expiry` forbids (its messages record an expiry); a tuple
+        # field, not an attribute of the handle: the hot path reads it for every message.
+        logged = self.topic_log(topic.encode()) if persist is not None and persist.logged(topic) else None
+        result = (normal, groups, logged, None if self.limits.max_message_expiry else logged)
         if len(self._matches) > 100_000:
             self._matches.clear()
         self._matches[topic] = result
@@ -820,7 +824,7 @@ class Router:
             hit = self._matches.get(msg.topic)
             if hit is None:
                 hit = self._match(msg.topic)
-        normal, groups, _ = hit
+        normal, groups = hit[0], hit[1]
         if not normal and not groups:
             return False
         mqos = msg.qos

@@ -62,5 +62,9 @@ cdef class EpochAppender:
     cdef long long _add(self, object ts_us, int qos, bint retain, bytes topic_b, str client_id,
                         bytes props_b, object payload, int packet_id, bint private) except -1
 
+cdef class TopicLog:
+    cdef EpochAppender _store
+    cdef public bytes topic
+
 cdef void _put_record(bytearray var, bytearray fixed, Py_ssize_t i, Py_ssize_t start, long long ts,
                       int flags, bytes topic, bytes client, bytes props, bytes payload, int pid)

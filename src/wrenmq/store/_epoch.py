@@ -229,18 +229,9 @@ class EpochAppender:
         """Append one record from its fields (no Message needed); return its offset."""
         return self._add(ts_us, qos, retain, topic_b, client_id, props_b, payload, packet_id, private)
 
-    def log_publish(self, ts_us, qos, topic_b, client_id, payload, packet_id, /):
-        """`append_record` for the router's hot path: a received PUBLISH without properties
-        that nobody subscribes to (no Message is built), not retained, not private.
-        `packet_id`: the packet's (None at QoS 0), kept for QoS 2 only. Returns nothing.
-
-        One bound method the router keeps (not store.append_record through persist), six
-        positional arguments, no offset object to return. At a1 (25 publishers x 1 KiB,
-        no subscriber) the log cost the event loop 2,250 machine instructions per message
-        over its 18,200 without it; this call takes 380 of them away (callgrind,
-        docs/BENCHMARKS.md, stop 18)."""
-        self._add(ts_us, qos, False, topic_b, client_id, _EMPTY, payload,
-                  packet_id if qos == 2 else 0, False)
+    def topic_log(self, topic_b):
+        """The router's handle on a topic the log records (`TopicLog`), for its match cache."""
+        return TopicLog(self, topic_b)
 
     def _add(self, ts_us, qos, retain, topic_b, client_id, props_b, payload, packet_id, private):
         """The record into the current epoch. Compiled it is a C call (`_epoch.pxd`):
@@ -291,6 +282,28 @@ class EpochAppender:
         self.sealed_bytes += e.nbytes
         self._queue.put(e)
         return e.id
+
+
+class TopicLog:
+    """A topic the log records, as the router's match cache holds it (one per topic).
+
+    `topic`: its UTF-8 bytes, which every record of it reuses. The router calls `record`
+    on the object it already holds, with five positional arguments: a bound method of
+    the store kept on the router cost the event loop a method lookup through the
+    router's instance dictionary per message, and the topic one more argument
+    (callgrind, docs/BENCHMARKS.md, stop 19).
+    """
+
+    def __init__(self, store, topic):
+        self._store = store
+        self.topic = topic
+
+    def record(self, ts_us, qos, client_id, payload, packet_id, /):
+        """Log a received PUBLISH without properties that nobody receives (no Message is
+        built), not retained, not private. `packet_id`: the packet's (None at QoS 0),
+        kept for QoS 2 only. Returns nothing."""
+        self._store._add(ts_us, qos, False, self.topic, client_id, _EMPTY, payload,
+                         packet_id if qos == 2 else 0, False)
 
 
 def _put_record(var, fixed, i, start, ts, flags, topic, client, props, payload, pid):

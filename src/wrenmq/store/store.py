@@ -426,8 +426,9 @@ class Store(EpochAppender):
 
         A sync still running when the next interval is due delays that one (the writer
         asks again when this one reports); they never pile up. A tuple is the log and
-        index descriptors of a segment the log rolled away from (CommitLog.sealed_sync):
-        synced in the order handed over, so before any later sync of the next segment.
+        index descriptors of a segment the log rolled away from and one of the log's
+        directory (CommitLog.sealed_sync): synced in the order handed over, so before any
+        later sync of the next segment.
         """
         q = self._sync_queue
         while True:
@@ -438,7 +439,7 @@ class Store(EpochAppender):
             fds = item if sealed else (item,)
             try:
                 for fd in fds:
-                    os.fdatasync(fd)
+                    (os.fsync if sealed else os.fdatasync)(fd)
                 if sealed:
                     self.sealed_syncs += 1
                 else:

@@ -41,7 +41,7 @@ async def main(data_dir):
             at = st.next_offset
             # A packet id comes along at QoS 1 and 2; the record keeps the QoS 2 one only.
             assert st.topic_log(b"t/%d" % (i % 4)).record(
-                1_000_000 + i, qos, "dev-%d" % (i % 2), b"p%d" % i, i % 65536 if qos else None) is None
+                1_000_000 + i, qos, b"dev-%d" % (i % 2), b"p%d" % i, i % 65536 if qos else None) is None
             offsets.append(at)
         elif i % 3:
             offsets.append(st.append_record(1_000_000 + i, qos, i % 7 == 0, b"t/%d" % (i % 4),

@@ -561,13 +561,13 @@ class Router:
             hit = self._matches.get(topic)
             if hit is None:
                 hit = self._match(topic)
-            direct = hit[3]
+            logged = hit[2]
             if not (hit[0] or hit[1] or retain) and hooks.on_publish is None and (
-                    hit[2] is None or not props and direct is not None):
+                    logged is None or not props and hit[3]):
                 # Nobody receives it and it is not retained: no message to build. If the
                 # topic is recorded, the log gets the record straight from the packet.
-                if direct is not None:
-                    direct.record(self.rx_us, qos, session.client_id, pkt.payload, pid)
+                if logged is not None:
+                    logged.record(self.rx_us, qos, session.client_b, pkt.payload, pid)
                 if session.v5:
                     reason = C.NO_MATCHING_SUBSCRIBERS
             else:
@@ -807,12 +807,12 @@ class Router:
         persist = self.persist
         # The third field: the store's handle on the topic if the log records it (else
         # None): its bytes, so a logged message does not encode its topic again, and the
-        # call that records a PUBLISH nobody receives. The fourth: the same handle if such
-        # a PUBLISH (no properties) may be recorded straight from the packet, which
-        # `[limits] max_message_expiry` forbids (its messages record an expiry); a tuple
-        # field, not an attribute of the handle: the hot path reads it for every message.
+        # call that records a PUBLISH nobody receives. The fourth: whether such a PUBLISH
+        # (no properties) may be recorded straight from the packet, which `[limits]
+        # max_message_expiry` forbids (its messages record an expiry); a tuple field, not
+        # an attribute: the hot path reads it for every logged message.
         logged = self.topic_log(topic.encode()) if persist is not None and persist.logged(topic) else None
-        result = (normal, groups, logged, None if self.limits.max_message_expiry else logged)
+        result = (normal, groups, logged, not self.limits.max_message_expiry)
         if len(self._matches) > 100_000:
             self._matches.clear()
         self._matches[topic] = result

@@ -60,7 +60,7 @@ class Outgoing:
 
 class Session:
     __slots__ = (
-        "client_id", "version", "v5", "conn", "subscriptions", "expiry_interval",
+        "client_id", "client_b", "version", "v5", "conn", "subscriptions", "expiry_interval",
         "expires_at", "will", "will_delay", "will_at", "inflight", "queue", "incoming_qos2", "next_pid",
         "send_quota", "max_packet_out", "alias_in", "alias_out", "alias_out_max",
         "topic_alias_in_max", "receive_max_in", "username", "address", "connected_at",
@@ -71,6 +71,7 @@ class Session:
 
     def __init__(self, client_id):
         self.client_id = client_id
+        self.client_b = client_id.encode()  # (the log records it with every message)
         self.version = 4
         self.v5 = False
         self.conn = None  # the Connection while the client is online

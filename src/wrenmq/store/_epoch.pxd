@@ -59,7 +59,7 @@ cdef class EpochAppender:
     cdef public object _pool
     cdef public object _last_id
     cdef public long long sealed_bytes
-    cdef long long _add(self, object ts_us, int qos, bint retain, bytes topic_b, str client_id,
+    cdef long long _add(self, object ts_us, int qos, bint retain, bytes topic_b, object client_id,
                         bytes props_b, object payload, int packet_id, bint private) except -1
 
 cdef class TopicLog:

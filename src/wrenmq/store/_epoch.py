@@ -1,3 +1,4 @@
+# cython: binding=False
 """The loop side of the store: the epoch being filled and the steps run per logged message.
 
 `Store.append` and `Store.append_record` run once for every message the log records,
@@ -244,11 +245,14 @@ class EpochAppender:
             if not e.ops and self.on_pending is not None:
                 self.on_pending()
             self._tail.append(e)
-        client_b = self._client_bytes.get(client_id)
-        if client_b is None:
-            if len(self._client_bytes) > 100_000:
-                self._client_bytes.clear()
-            client_b = self._client_bytes[client_id] = client_id.encode()
+        if type(client_id) is bytes:  # (TopicLog.record: the session's UTF-8 client id)
+            client_b = client_id
+        else:
+            client_b = self._client_bytes.get(client_id)
+            if client_b is None:
+                if len(self._client_bytes) > 100_000:
+                    self._client_bytes.clear()
+                client_b = self._client_bytes[client_id] = client_id.encode()
         if retain:
             flags |= 4
         if private:
@@ -298,11 +302,12 @@ class TopicLog:
         self._store = store
         self.topic = topic
 
-    def record(self, ts_us, qos, client_id, payload, packet_id, /):
+    def record(self, ts_us, qos, client_b, payload, packet_id, /):
         """Log a received PUBLISH without properties that nobody receives (no Message is
-        built), not retained, not private. `packet_id`: the packet's (None at QoS 0),
-        kept for QoS 2 only. Returns nothing."""
-        self._store._add(ts_us, qos, False, self.topic, client_id, _EMPTY, payload,
+        built), not retained, not private. `client_b`: the publisher's client id as UTF-8
+        bytes (`Session.client_b`). `packet_id`: the packet's (None at QoS 0), kept for
+        QoS 2 only. Returns nothing."""
+        self._store._add(ts_us, qos, False, self.topic, client_b, _EMPTY, payload,
                          packet_id if qos == 2 else 0, False)
 
 

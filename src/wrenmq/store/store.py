@@ -80,6 +80,30 @@ _SYNCED = object()  # the syncer's wake-up of the writer: a sync finished
 GATHER = 0.002
 
 
+class _Signal:
+    """The loop's wake-up for the writer's gather wait: a lock held while the signal is
+    unset, so setting and waiting are one C call each, the wait without the GIL.
+    (`threading.Event` is Python code over a Condition: in a py-spy of a2 the writer held
+    the GIL in Event.wait about as long as it did for a batch's index entries, and the
+    loop waits for the GIL while the writer holds it.)"""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self):
+        try:
+            self._lock.release()
+        except RuntimeError:  # set already
+            pass
+
+    def wait(self, timeout):
+        """Until set, or for `timeout` seconds; leaves it unset. True if it was set."""
+        return self._lock.acquire(timeout=timeout)
+
+
 def node_id_for(data_dir, configured):
     """The node's name: configured, else remembered in data_dir, else the host name."""
     path = os.path.join(data_dir, "node_id")
@@ -148,7 +172,7 @@ class Store(EpochAppender):
         self._client_bytes = {}
         self.written_through = self.next_offset
         self._queue = queue.SimpleQueue()
-        self._urgent = threading.Event()  # set when something the loop waits on is queued
+        self._urgent = _Signal()  # set when something the loop waits on is queued
         # Record bytes handed to the writer (loop) and written by it (writer thread); each
         # counter has one writer, so their difference is read without a lock.
         self.sealed_bytes = 0
@@ -419,7 +443,6 @@ class Store(EpochAppender):
                 # GIL twice, and the loop pays for every hand-over (docs/BENCHMARKS.md,
                 # stop 17). A durable epoch, a waiting loop or a close cuts this short.
                 self._urgent.wait(self.gather)
-                self._urgent.clear()
 
     def _sync_loop(self):
         """The syncer thread: fdatasync each descriptor the writer hands over, then close it.

@@ -99,12 +99,14 @@ cdef extern from *:
     static int wrenmq_cpu_has_crc(void) { return 0; }
     #endif
     static int wrenmq_use_hw = 0;
+    static void wrenmq_shift_tables(void);
     /* Build the tables and choose the instruction if `allow` and the CPU has it; returns
        whether it is used. */
     static int wrenmq_crc_setup(int allow) {
         static int tables = 0;
         if (!tables) {
             wrenmq_crc_tables();
+            wrenmq_shift_tables();
             tables = 1;
         }
         wrenmq_use_hw = allow && wrenmq_cpu_has_crc();
@@ -149,6 +151,84 @@ cdef extern from *:
             sq = wrenmq_multmodp(sq, sq);
         }
         return wrenmq_multmodp(op, crc1) ^ crc2;
+    }
+
+    /* A large payload's checksums (from 1 KiB, with the instruction): the record's, from
+       the checksum `crc` of its topic, client id and properties, in three interleaved
+       chains, and the running checksum of all payloads (`*region`) combined from it. Two
+       chains over the same bytes (wrenmq_crc32c_two_hw) wait for the instruction's
+       3-cycle latency at every 8 bytes; three over three blocks keep it busy every
+       cycle, and the blocks' chains are joined by multiplying by x^(8 * WRENMQ_BLOCK)
+       (byte-sliced tables, four lookups). The region needs the payload shifted by its
+       own length, x^(8 * n): one product, its factor cached for the last length (a
+       fleet's payloads mostly share a few sizes). crc32c(c, d) = crc32c(0, d) ^ c * x^(8|d|),
+       so region' = (region ^ crc) * x^(8n) ^ record. */
+    #define WRENMQ_BLOCK 256
+    static uint32_t wrenmq_shift_tab[4][256];
+    static uint32_t wrenmq_x8n(uint64_t n) {  /* x^(8n) modulo the polynomial */
+        uint32_t op = (uint32_t)1 << 31, sq = (uint32_t)1 << 23;
+        while (n) {
+            if (n & 1) op = wrenmq_multmodp(sq, op);
+            n >>= 1;
+            sq = wrenmq_multmodp(sq, sq);
+        }
+        return op;
+    }
+    static void wrenmq_shift_tables(void) {
+        uint32_t op = wrenmq_x8n(WRENMQ_BLOCK);
+        for (int k = 0; k < 4; k++)
+            for (uint32_t b = 0; b < 256; b++)
+                wrenmq_shift_tab[k][b] = wrenmq_multmodp(op, b << (8 * k));
+    }
+    static inline uint32_t wrenmq_shift_block(uint32_t c) {
+        return wrenmq_shift_tab[0][c & 0xff] ^ wrenmq_shift_tab[1][(c >> 8) & 0xff]
+               ^ wrenmq_shift_tab[2][(c >> 16) & 0xff] ^ wrenmq_shift_tab[3][c >> 24];
+    }
+    #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __attribute__((target("sse4.2")))
+    static uint32_t wrenmq_crc32c_hw3(uint32_t crc, const char *data, size_t n) {
+        const unsigned char *p = (const unsigned char *)data;
+        uint64_t c0 = (uint32_t)~crc, c1, c2, v;
+        while (n >= 3 * WRENMQ_BLOCK) {
+            const unsigned char *end = p + WRENMQ_BLOCK;
+            c1 = c2 = 0;
+            do {
+                memcpy(&v, p, 8);
+                c0 = _mm_crc32_u64(c0, v);
+                memcpy(&v, p + WRENMQ_BLOCK, 8);
+                c1 = _mm_crc32_u64(c1, v);
+                memcpy(&v, p + 2 * WRENMQ_BLOCK, 8);
+                c2 = _mm_crc32_u64(c2, v);
+                p += 8;
+            } while (p < end);
+            c0 = wrenmq_shift_block((uint32_t)c0) ^ (uint32_t)c1;
+            c0 = wrenmq_shift_block((uint32_t)c0) ^ (uint32_t)c2;
+            p += 2 * WRENMQ_BLOCK;
+            n -= 3 * WRENMQ_BLOCK;
+        }
+        while (n >= 8) {
+            memcpy(&v, p, 8);
+            c0 = _mm_crc32_u64(c0, v);
+            p += 8;
+            n -= 8;
+        }
+        uint32_t c32 = (uint32_t)c0;
+        while (n--) c32 = _mm_crc32_u8(c32, *p++);
+        return ~c32;
+    }
+    #else
+    #define wrenmq_crc32c_hw3 wrenmq_crc32c_sw
+    #endif
+    static uint32_t wrenmq_crc32c_payload(uint32_t crc, uint32_t *region, const char *data,
+                                          size_t n, uint64_t *op_len, uint32_t *op) {
+        if (!wrenmq_use_hw || n < 1024) return wrenmq_crc32c_two(crc, region, data, n);
+        uint32_t rec = wrenmq_crc32c_hw3(crc, data, n);
+        if (*op_len != n) {
+            *op = wrenmq_x8n(n);
+            *op_len = n;
+        }
+        *region = wrenmq_multmodp(*op, *region ^ crc) ^ rec;
+        return rec;
     }
 
     /* The writer's own writev (write_records): the whole iovec array, in runs of at
@@ -223,6 +303,8 @@ cdef extern from *:
     unsigned int wrenmq_crc32c(unsigned int crc, const char *data, size_t n) nogil
     unsigned int wrenmq_crc32c_two(unsigned int crc, unsigned int *region, const char *data, size_t n) nogil
     unsigned int wrenmq_crc32c_combine(unsigned int crc1, unsigned int crc2, unsigned long long len2) nogil
+    unsigned int wrenmq_crc32c_payload(unsigned int crc, unsigned int *region, const char *data, size_t n,
+                                       unsigned long long *op_len, unsigned int *op) nogil
     int wrenmq_crc_setup(int allow) nogil
     int wrenmq_iovec_is_two_words() nogil
     int wrenmq_writev_all(int fd, unsigned long long *words, int n) nogil

@@ -136,6 +136,8 @@ def _encode(epochs: list, prepare):
     niov: cython.int = 0
     err: cython.int = 0
     region: cython.uint = 0  # the CRC-32C of all payloads, one after another
+    op_len: cython.ulonglong = 0  # the payload length whose shift factor `op` holds
+    op: cython.uint = 0
     batch_crc: cython.uint = 0
     # Where each column starts in the batch.
     ts_at: cython.p_char = buf + 48
@@ -171,7 +173,8 @@ def _encode(epochs: list, prepare):
                 f += 32
                 rec = v + start
                 crc = wrenmq_crc32c(0, rec, lt + lc + lr)  # noqa: F821
-                crc = wrenmq_crc32c_two(crc, cython.address(region), rec + lt + lc + lr, lp)  # noqa: F821
+                crc = wrenmq_crc32c_payload(crc, cython.address(region), rec + lt + lc + lr, lp,  # noqa: F821
+                                            cython.address(op_len), cython.address(op))
                 memcpy(ts_at + 8 * r, cython.address(ts), 8)  # noqa: F821
                 memcpy(crc_at + 4 * r, cython.address(crc), 4)  # noqa: F821
                 memcpy(pid_at + 2 * r, cython.address(pid), 2)  # noqa: F821

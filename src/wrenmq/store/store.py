@@ -94,10 +94,12 @@ class _Signal:
         self._lock.acquire()
 
     def set(self):
-        try:
-            self._lock.release()
-        except RuntimeError:  # set already
-            pass
+        lock = self._lock
+        if lock.locked():  # (set already, as it mostly is under QoS 1 traffic: no exception)
+            try:
+                lock.release()
+            except RuntimeError:  # set meanwhile by another thread
+                pass
 
     def wait(self, timeout):
         """Until set, or for `timeout` seconds; leaves it unset. True if it was set."""
@@ -477,7 +479,8 @@ class Store(EpochAppender):
                         pass
                 if not sealed:
                     self._sync_busy = False
-                    self._queue.put(_SYNCED)
+                # Wake the writer: it asks for the next interval's sync, or raises the error.
+                self._queue.put(_SYNCED)
 
     def _release(self, epochs):
         """Writer side: these epochs are written (in the page cache, readable from the

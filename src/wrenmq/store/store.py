@@ -191,6 +191,9 @@ class Store(EpochAppender):
         self._sync_error = None
         self.syncs = 0  # fdatasyncs of the log that finished
         self.sealed_syncs = 0  # segments the log rolled away from that the syncer fsynced
+        # Rolled segments queued for the syncer, at most 8 (each holds four descriptors);
+        # past that the writer waits for it, as it would for the fsync itself.
+        self._sealed_slots = threading.Semaphore(8)
         self.failed = None
         self.appended = 0
         self.bytes_appended = 0
@@ -209,7 +212,7 @@ class Store(EpochAppender):
             self._syncer = threading.Thread(target=self._sync_loop, name="wrenmq-sync", daemon=True)
             self._syncer.start()
             # A segment the log rolls away from is fsynced by the syncer, not by the writer.
-            self.log.sealed_sync = self._sync_queue.put
+            self.log.sealed_sync = self._hand_sealed
 
     def close(self):
         """Seal what is pending, wait for the writer to finish it, close files."""
@@ -446,6 +449,13 @@ class Store(EpochAppender):
                 # stop 17). A durable epoch, a waiting loop or a close cuts this short.
                 self._urgent.wait(self.gather)
 
+    def _hand_sealed(self, fds):
+        """CommitLog.sealed_sync under "interval" (writer thread): queue a rolled segment's
+        descriptors for the syncer, waiting while 8 are queued (a disk slower than the
+        writer would otherwise pile them up, four open descriptors each)."""
+        self._sealed_slots.acquire()
+        self._sync_queue.put(fds)
+
     def _sync_loop(self):
         """The syncer thread: fdatasync each descriptor the writer hands over, then close it.
 
@@ -477,7 +487,9 @@ class Store(EpochAppender):
                         os.close(fd)
                     except OSError:  # (nothing to lose: the sync's own outcome is what counts)
                         pass
-                if not sealed:
+                if sealed:
+                    self._sealed_slots.release()
+                else:
                     self._sync_busy = False
                 # Wake the writer: it asks for the next interval's sync, or raises the error.
                 self._queue.put(_SYNCED)

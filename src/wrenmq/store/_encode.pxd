@@ -206,15 +206,8 @@ cdef extern from *:
             p += 2 * WRENMQ_BLOCK;
             n -= 3 * WRENMQ_BLOCK;
         }
-        while (n >= 8) {
-            memcpy(&v, p, 8);
-            c0 = _mm_crc32_u64(c0, v);
-            p += 8;
-            n -= 8;
-        }
-        uint32_t c32 = (uint32_t)c0;
-        while (n--) c32 = _mm_crc32_u8(c32, *p++);
-        return ~c32;
+        /* The rest in one chain, from the register as it stands. */
+        return wrenmq_crc32c_hw(~(uint32_t)c0, (const char *)p, n);
     }
     #else
     #define wrenmq_crc32c_hw3 wrenmq_crc32c_sw

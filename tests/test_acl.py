@@ -200,7 +200,7 @@ def test_publish_checked(make_broker, files, version):
     got = watcher.recv()
     assert (got.topic, got.payload) == ("alice/x", b"yes")
     assert stats.denied_publish == 2
-    assert b.call(b.broker._sys.values)["$SYS/broker/publish/messages/denied"] == 2
+    assert b.call(b.broker.sys_topics.values)["$SYS/broker/publish/messages/denied"] == 2
     watcher.send(PINGREQ)
     assert watcher.recv() == PINGRESP  # nothing else arrived before
     c.close()

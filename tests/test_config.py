@@ -321,3 +321,12 @@ def test_cli_serve_missing_config(tmp_path):
     assert r.returncode != 0
     assert r.stderr.splitlines() == [f"wrenmq: {tmp_path / 'missing.toml'}: file not found"]
     assert not listening(port)
+
+
+def test_config_md_is_generated_from_the_code():
+    """docs/CONFIG.md is `wrenmq config docs`: a key added or changed here shows there."""
+    from pathlib import Path
+
+    from wrenmq.config import config_markdown
+    doc = Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md"
+    assert doc.read_text() == config_markdown(), "run: wrenmq config docs > docs/CONFIG.md"

@@ -195,7 +195,10 @@ def read_packets(sock_recv, decoder, n=1, timeout=5.0):
     ('tls = true\ncertfile = "{crt}"\ncafile = "/nope/ca.pem"', "listener[0].cafile: file not found"),
     ('type = "unix"', 'listener[0].path: required for type = "unix"'),
     ('type = "unix"\npath = "/tmp/x.sock"\ntls = true\ncertfile = "{crt}"', "listener[0].tls: not supported"),
-    ('path = "/mqtt"', 'listener[0].path: only for type = "ws" or "unix"'),
+    ('path = "/mqtt"', 'listener[0].path: only for type = "ws", "metrics" or "unix"'),
+    ('type = "metrics"\npath = "metrics"', "listener[0].path: expected an HTTP path starting with '/'"),
+    ('type = "metrics"\ntls = true\ncertfile = "{crt}"\ncafile = "{ca}"\nrequire_certificate = true\n'
+     'use_identity_as_username = true', 'listener[0].use_identity_as_username: not for type = "metrics"'),
     ('type = "ws"\npath = "mqtt"', "listener[0].path: expected an HTTP path starting with '/'"),
     ('type = "unix"\npath = "/tmp/x.sock"\nmode = "999"', "listener[0].mode: expected an octal file mode"),
     ('type = "wss"', "listener[0].type: expected one of mqtt, ws, unix"),
@@ -917,3 +920,106 @@ def test_unix_socket_stale_file_and_in_use(make_broker, unix_path):
         RunningBroker(f'[[listener]]\ntype = "unix"\npath = "{regular}"\n')
     assert regular.read_text() == "keep me"
     b.stop()
+
+
+# --- the metrics listener ------------------------------------------------------------------
+
+
+def scrape(port, path="/metrics", context=None):
+    """GET over real HTTP(S); (status, content type, text)."""
+    import urllib.error
+    import urllib.request
+
+    scheme = "https" if context is not None else "http"
+    try:
+        with urllib.request.urlopen(f"{scheme}://127.0.0.1:{port}{path}", timeout=10, context=context) as r:
+            return r.status, r.headers["Content-Type"], r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read().decode()
+
+
+def families(text):
+    """The text parsed by Prometheus's own client library: name -> value of its one sample."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name.endswith("_created"):
+                continue
+            out[sample.name] = (fam.type, sample.value, sample.labels)
+    return out
+
+
+def test_metrics_listener_serves_the_sys_figures_to_prometheus(make_broker, pahos, tmp_path):
+    b = make_broker(f"""
+[[listener]]
+type = "metrics"
+port = 0
+[storage]
+data_dir = "{tmp_path}"
+fsync = "never"
+""")
+    metrics_port = b.broker.addresses[1][1]
+    status, ctype, text = scrape(metrics_port)
+    assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
+    before = families(text)
+    assert before["wrenmq_clients_connected"] == ("gauge", 0, {})
+    assert before["wrenmq_build_info"][2]["version"]
+
+    sub = pahos(b.port, version=5)
+    pub = pahos(b.port, version=4)
+    subscribe(sub, "m/#")
+    for i in range(20):
+        pub.publish(f"m/{i}", b"x" * 100, qos=1).wait_for_publish(5)
+    for _ in range(20):
+        sub.messages.get(timeout=5)
+    after = families(scrape(metrics_port)[2])
+    assert after["wrenmq_clients_connected"][1] == 2
+    assert after["wrenmq_connections_total"] == ("counter", 2, {})
+    assert after["wrenmq_publish_received_total"][1] == 20
+    assert after["wrenmq_publish_sent_total"][1] >= 20
+    assert after["wrenmq_subscriptions"][1] == 1
+    assert after["wrenmq_received_bytes_total"][1] > before["wrenmq_received_bytes_total"][1] + 2000
+    # The commit log's figures, as $SYS has them.
+    assert after["wrenmq_log_appended_records_total"][1] >= 20
+    assert after["wrenmq_log_end_offset"][1] >= 20
+    sys_values = b.call(b.broker.sys_topics.snapshot)
+    assert after["wrenmq_log_segments"][1] == sys_values["$SYS/broker/log/segments"]
+    # Reading them does not move $SYS's load averages (SysTopics.values does).
+    assert not any("/load/" in k for k in sys_values)
+
+
+def test_metrics_listener_path_and_bad_requests(make_broker):
+    b = make_broker("""
+[[listener]]
+type = "metrics"
+port = 0
+path = "/probe/metrics"
+""")
+    port = b.broker.addresses[1][1]
+    assert scrape(port, "/probe/metrics")[0] == 200
+    assert scrape(port, "/probe/metrics?x=1")[0] == 200
+    assert scrape(port, "/metrics")[0] == 404
+    # Not HTTP at all: closed at once. An MQTT CONNECT (no request line): closed when the
+    # 5 s allowed for a request run out. The broker serves on.
+    for junk, within in ((b"\x00\xff" * 100 + b"\r\n\r\n", 2), (connect_bytes(), 9)):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(junk)
+            s.settimeout(within)
+            reply = s.recv(200)
+            assert reply == b"" or reply.startswith(b"HTTP/1.1 400")
+    assert scrape(port, "/probe/metrics")[0] == 200
+    # MQTT clients are not served on it, and its scrapes are not MQTT connections.
+    assert families(scrape(port, "/probe/metrics")[2])["wrenmq_connections_total"][1] == 0
+
+
+def test_metrics_over_https_with_client_certificates(make_broker, pki):
+    b = make_broker(tls_listener(pki, 0, type="metrics", cafile=pki.ca_file, require_certificate=True))
+    port = b.broker.addresses[1][1]
+    ctx = pki.client_context()
+    ctx.load_cert_chain(pki.client_cert, pki.client_key)
+    status, _, text = scrape(port, context=ctx)
+    assert status == 200 and "wrenmq_clients_connected 0" in text
+    with pytest.raises(OSError):  # no client certificate: the handshake is refused
+        scrape(port, context=pki.client_context())

@@ -29,15 +29,17 @@ def _key(default, doc, lo=None, hi=None, choices=None):
 @dataclass
 class ListenerConfig:
     type: str = _key("mqtt", "\"mqtt\": MQTT over TCP; \"ws\": MQTT over WebSocket (subprotocol mqtt); "
-                     "\"unix\": MQTT over a Unix domain socket at `path` (local tools).",
-                     choices=("mqtt", "ws", "unix"))
+                     "\"unix\": MQTT over a Unix domain socket at `path` (local tools); "
+                     "\"metrics\": no MQTT, the $SYS figures for Prometheus over HTTP (GET `path`).",
+                     choices=("mqtt", "ws", "unix", "metrics"))
     bind: str = _key("127.0.0.1", "Address to listen on; 0.0.0.0 or :: for all interfaces.")
     port: int = _key(1883, "TCP port; 0 picks a free port.", 0, 65535)
     name: str = _key("", "Name used in logs and $SYS; defaults to bind:port (unix: unix:path).")
     path: str = _key("", "ws: the HTTP path clients connect to (empty = /mqtt; other paths get 404); "
+                     "metrics: the HTTP path of the figures (empty = /metrics); "
                      "unix: the socket file (required).")
     mode: str = _key("0600", "unix: file mode of the socket (octal), e.g. \"0660\" to let the group in.")
-    tls: bool = _key(False, "Serve TLS (mqtt: MQTT over TLS, ws: wss://); needs certfile.")
+    tls: bool = _key(False, "Serve TLS (mqtt: MQTT over TLS, ws: wss://, metrics: HTTPS); needs certfile.")
     certfile: str = _key("", "PEM server certificate (chain); with tls. Reloaded on SIGHUP.")
     keyfile: str = _key("", "PEM private key of certfile; empty if certfile holds the key too.")
     cafile: str = _key("", "PEM CA certificate(s) that sign client certificates.")
@@ -276,11 +278,13 @@ def _validate_listener(src, i, lst):
             fail("tls", "not supported for type = \"unix\"")
         if not lst.name:
             lst.name = lst.label  # connections and hooks name the listener after it: unix:PATH
-    elif lst.type == "ws":
+    elif lst.type in ("ws", "metrics"):
         if lst.path and not lst.path.startswith("/"):
             fail("path", f"expected an HTTP path starting with '/', got {lst.path!r}")
     elif lst.path:
-        fail("path", "only for type = \"ws\" or \"unix\"")
+        fail("path", "only for type = \"ws\", \"metrics\" or \"unix\"")
+    if lst.type == "metrics" and lst.use_identity_as_username:
+        fail("use_identity_as_username", "not for type = \"metrics\" (no MQTT user there)")
     if lst.origins and lst.type != "ws":
         fail("origins", "only for type = \"ws\"")
     for origin in lst.origins:

@@ -69,7 +69,7 @@ class Broker:
         self._sweep_handle = None
         self._timer = None
         self._timer_at = None
-        self._sys = SysTopics(self)
+        self.sys_topics = SysTopics(self)  # the $SYS figures (also read by metrics listeners)
         self._sys_handle = None
         self._tasks = set()
         self._stopped = None
@@ -423,7 +423,7 @@ class Broker:
 
     def _publish_sys(self):
         try:
-            self._sys.publish()
+            self.sys_topics.publish()
         except Exception:
             log.exception("publishing $SYS failed")
         self._sys_handle = self.loop.call_later(self.config.sys.interval, self._publish_sys)

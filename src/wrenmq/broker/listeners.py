@@ -23,6 +23,9 @@ protocol; what differs is what sits in front of it:
   same `_TLSAcceptor` sits under websockets (through its `create_connection` hook).
 - Unix domain socket (`type = "unix"`): plain MQTT on a socket file whose mode is set
   before the first client can connect.
+- Metrics (`type = "metrics"`): no MQTT; `websockets` parses the HTTP request (with its
+  limits and timeout) and every request gets a plain HTTP answer, never an upgrade:
+  the $SYS figures in Prometheus's text format at `path` (metrics.py), 404 elsewhere.
 """
 
 import asyncio
@@ -44,6 +47,7 @@ from .hooks import ClientInfo, Hook
 log = logging.getLogger("wrenmq.listeners")
 
 DEFAULT_WS_PATH = "/mqtt"
+DEFAULT_METRICS_PATH = "/metrics"
 WS_SUBPROTOCOLS = ("mqtt", "mqttv3.1")
 
 # OpenSSL reasons for "what arrived is not TLS at all" (plain MQTT, HTTP, ...).
@@ -625,6 +629,8 @@ class Listener:
     @property
     def kind(self):
         cfg = self.cfg
+        if cfg.type == "metrics":
+            return "metrics (HTTPS)" if cfg.tls else "metrics (HTTP)"
         if cfg.type == "ws":
             return "WebSocket (wss)" if cfg.tls else "WebSocket"
         if cfg.type == "unix":
@@ -657,6 +663,8 @@ class Listener:
             await self._start_unix()
         elif cfg.type == "ws":
             await self._start_ws()
+        elif cfg.type == "metrics":
+            await self._start_metrics()
         else:
             self.server = await self.loop.create_server(
                 lambda: self._front(self._connection()), cfg.bind, cfg.port, backlog=4096,
@@ -668,6 +676,9 @@ class Listener:
             extra = ""
             if cfg.type == "ws":
                 extra = f" ({'wss' if cfg.tls else 'ws'}, path {cfg.path or DEFAULT_WS_PATH})"
+            elif cfg.type == "metrics":
+                extra = f" (Prometheus metrics over {'HTTPS' if cfg.tls else 'HTTP'}, path " \
+                        f"{cfg.path or DEFAULT_METRICS_PATH})"
             elif cfg.tls:
                 extra = " (TLS)"
             for sock in socks:
@@ -721,6 +732,34 @@ class Listener:
             max_size=limits.max_packet_size + 65536, max_queue=4,
             logger=_QuietLogger(logging.getLogger("wrenmq.websockets"), {}), backlog=4096,
             reuse_address=True)
+
+    async def _start_metrics(self):
+        from websockets.asyncio.server import ServerConnection, serve
+
+        from .metrics import CONTENT_TYPE, render
+
+        path = self.cfg.path or DEFAULT_METRICS_PATH
+        sys_topics = self.broker.sys_topics
+
+        def create_connection(*args, **kwargs):
+            return self._front(ServerConnection(*args, **kwargs))
+
+        def process_request(connection, request):
+            if urllib.parse.urlsplit(request.path).path != path:
+                return connection.respond(http.HTTPStatus.NOT_FOUND, "Not Found\n")
+            response = connection.respond(http.HTTPStatus.OK, render(sys_topics))
+            del response.headers["Content-Type"]
+            response.headers["Content-Type"] = CONTENT_TYPE
+            return response
+
+        async def never(ws):  # (every request is answered by process_request)
+            await ws.close()
+
+        self.server = await serve(
+            never, self.cfg.bind, self.cfg.port, process_request=process_request,
+            create_connection=create_connection, server_header=None, open_timeout=5,
+            close_timeout=1, logger=_QuietLogger(logging.getLogger("wrenmq.metrics"), {}),
+            backlog=128, reuse_address=True)
 
     async def _ws_session(self, ws):
         await WebSocketTransport(ws, self._connection(), self).run()

@@ -37,10 +37,11 @@ class SysTopics:
         self._last = (now, counters)
         return out
 
-    def values(self):
+    def snapshot(self):
+        """The $SYS values without the load averages (reading them changes nothing; the
+        Prometheus metrics listener reads these)."""
         r = self.router
         s = r.stats
-        now = time.monotonic()
         total = len(r.sessions)
         values = {
             "$SYS/broker/version": f"wrenmq version {__version__}",
@@ -70,6 +71,13 @@ class SysTopics:
             "$SYS/broker/connections/total": s.connects,
         }
         values.update(self.broker.extra_sys_values())
+        return values
+
+    def values(self):
+        """Every $SYS value, the load averages included (they move with each call)."""
+        values = self.snapshot()
+        s = self.router.stats
+        now = time.monotonic()
         counters = {
             "messages/received": s.pub_received, "messages/sent": s.pub_sent,
             "bytes/received": s.bytes_received, "bytes/sent": s.bytes_sent,

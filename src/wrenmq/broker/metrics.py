@@ -1,0 +1,104 @@
+"""The $SYS figures in Prometheus's text format, for a `type = "metrics"` listener.
+
+Users of other brokers run an exporter that subscribes to `$SYS/#` and republishes it
+for Prometheus; here a listener answers `GET /metrics` itself. The figures are the
+$SYS ones (`SysTopics.snapshot`, one source for both), read on the event loop when a
+scrape arrives: nothing is computed between scrapes and nothing here touches the hot
+path. Rates and averages are Prometheus's job, so $SYS's load averages are left out.
+"""
+
+from .. import __version__
+
+# ($SYS topic, metric name, type, help). Counters end in _total, as Prometheus expects.
+METRICS = (
+    ("$SYS/broker/clients/connected", "wrenmq_clients_connected", "gauge",
+     "Clients connected now."),
+    ("$SYS/broker/clients/maximum", "wrenmq_clients_connected_max", "gauge",
+     "Most clients connected at once since the broker started."),
+    ("$SYS/broker/clients/total", "wrenmq_sessions", "gauge",
+     "Sessions held: the connected clients' and the persistent sessions of offline ones."),
+    ("$SYS/broker/connections/total", "wrenmq_connections_total", "counter",
+     "Clients that connected (CONNACK accepted) since the broker started."),
+    ("$SYS/broker/connections/refused", "wrenmq_connections_refused_total", "counter",
+     "Connections closed before their CONNECT was read ([limits] connection_rate, max_connections)."),
+    ("$SYS/broker/clients/rate_limited", "wrenmq_clients_rate_limited_total", "counter",
+     "Times a client's input was paused by [limits] publish_rate or publish_byte_rate."),
+    ("$SYS/broker/publish/messages/received", "wrenmq_publish_received_total", "counter",
+     "PUBLISH packets received from clients."),
+    ("$SYS/broker/publish/messages/sent", "wrenmq_publish_sent_total", "counter",
+     "PUBLISH packets sent to clients."),
+    ("$SYS/broker/publish/messages/dropped", "wrenmq_publish_dropped_total", "counter",
+     "Messages not delivered to a subscriber: its connection congested (QoS 0), its queue full, "
+     "or the packet over its maximum packet size."),
+    ("$SYS/broker/publish/messages/denied", "wrenmq_publish_denied_total", "counter",
+     "PUBLISH packets refused by the ACL or an authorization hook."),
+    ("$SYS/broker/messages/expired", "wrenmq_messages_expired_total", "counter",
+     "Messages dropped because their message expiry interval ran out before delivery."),
+    ("$SYS/broker/bytes/received", "wrenmq_received_bytes_total", "counter",
+     "Bytes received from clients (MQTT bytes, after TLS and WebSocket framing)."),
+    ("$SYS/broker/bytes/sent", "wrenmq_sent_bytes_total", "counter",
+     "Bytes sent to clients (MQTT bytes, before TLS and WebSocket framing)."),
+    ("$SYS/broker/subscriptions/count", "wrenmq_subscriptions", "gauge",
+     "Subscriptions held (shared ones included)."),
+    ("$SYS/broker/subscriptions/denied", "wrenmq_subscriptions_denied_total", "counter",
+     "Subscriptions refused by the ACL or an authorization hook."),
+    ("$SYS/broker/retained messages/count", "wrenmq_retained_messages", "gauge",
+     "Retained messages held."),
+    ("$SYS/broker/store/messages/count", "wrenmq_queued_messages", "gauge",
+     "Messages queued or in flight for sessions."),
+    ("$SYS/broker/store/messages/bytes", "wrenmq_queued_bytes", "gauge",
+     "Payload bytes queued for sessions."),
+    # The commit log (present with [storage] mode = "disk").
+    ("$SYS/broker/log/end_offset", "wrenmq_log_end_offset", "gauge",
+     "Offset the next record of the commit log gets."),
+    ("$SYS/broker/log/start_offset", "wrenmq_log_start_offset", "gauge",
+     "Oldest offset still in the commit log (retention moves it)."),
+    ("$SYS/broker/log/appended", "wrenmq_log_appended_records_total", "counter",
+     "Records written to the commit log since the broker started."),
+    ("$SYS/broker/log/bytes_appended", "wrenmq_log_appended_bytes_total", "counter",
+     "Bytes written to the commit log since the broker started."),
+    ("$SYS/broker/log/unwritten_bytes", "wrenmq_log_unwritten_bytes", "gauge",
+     "Bytes of records handed to the log writer and not yet written."),
+    ("$SYS/broker/log/writer_waits", "wrenmq_log_writer_waits_total", "counter",
+     "Times client input waited for the log writer (max_unwritten_bytes reached)."),
+    ("$SYS/broker/log/syncs", "wrenmq_log_syncs_total", "counter",
+     "fsyncs of the commit log."),
+    ("$SYS/broker/log/sealed_syncs", "wrenmq_log_sealed_syncs_total", "counter",
+     "fsyncs of rolled segments handed to the sync thread (fsync = \"interval\")."),
+    ("$SYS/broker/log/segments", "wrenmq_log_segments", "gauge",
+     "Segment files of the commit log."),
+    ("$SYS/broker/log/retention/lost", "wrenmq_log_retention_lost_total", "counter",
+     "Records removed by retention before every persistent session had read them."),
+    ("$SYS/broker/log/truncated_bytes", "wrenmq_log_truncated_bytes", "gauge",
+     "Bytes cut from the log's tail at start-up (a torn write from a crash)."),
+)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def render(sys_topics):
+    """The exposition text of the broker's current figures (call it on the event loop)."""
+    values = sys_topics.snapshot()
+    started = sys_topics.router.stats.started
+    out = [
+        "# HELP wrenmq_build_info The running wrenmq's version.",
+        "# TYPE wrenmq_build_info gauge",
+        f'wrenmq_build_info{{version="{_label(__version__)}"}} 1',
+        "# HELP wrenmq_start_time_seconds When the broker started, in seconds since the epoch.",
+        "# TYPE wrenmq_start_time_seconds gauge",
+        f"wrenmq_start_time_seconds {started:.3f}",
+    ]
+    for topic, name, kind, doc in METRICS:
+        value = values.get(topic)
+        if value is None:  # (the log's figures, without a commit log)
+            continue
+        out.append(f"# HELP {name} {doc}")
+        out.append(f"# TYPE {name} {kind}")
+        out.append(f"{name} {int(value)}")
+    out.append("")
+    return "\n".join(out)
+
+
+def _label(value):
+    """A label value escaped as the text format requires."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')

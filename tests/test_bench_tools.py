@@ -24,3 +24,17 @@ def test_micro_runs_and_reports_cpu_per_message(storage):
                   r"event loop thread ([0-9.]+) us CPU/msg", cp.stdout)
     assert m, cp.stdout
     assert float(m.group(1)) > 0 and float(m.group(2)) > 0
+
+
+def test_log_ratio_interval_brackets_the_ratio_and_narrows_with_runs():
+    from wrenmq.bench.logrows import ratio_interval
+
+    off = [100, 110, 90, 105, 95, 120, 80, 100, 102]
+    on = [x * 0.8 for x in off]
+    assert ratio_interval(off, on) == ratio_interval(off, on)  # reproducible from the numbers
+    lo, hi = ratio_interval(off, on)
+    assert lo <= 0.8 <= hi and hi - lo < 0.5
+    # Equal figures: no spread at all. More runs of the same spread: a narrower interval.
+    assert ratio_interval([100] * 5, [80] * 5) == (0.8, 0.8)
+    lo9, hi9 = ratio_interval(off * 9, on * 9)
+    assert hi9 - lo9 < hi - lo and lo9 <= 0.8 <= hi9

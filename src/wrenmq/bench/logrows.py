@@ -6,7 +6,8 @@ Two wrenmq brokers run side by side, one with the log off (`wrenmq-memory.toml`)
 one with it on (`wrenmq-log.toml`, fsync every 100 ms). Every round starts both afresh
 (new data directories) and runs each row once on each, the two back to back, the first
 of the pair swapping from row to row and round to round. The ratio is that of the two
-sides' medians; each pair's own ratio is kept too (its median is printed).
+sides' medians, printed with a 90% bootstrap interval (`ratio_interval`); each pair's
+own ratio is kept too (its median is printed).
 
 Why: this VM's speed drifts by 15-40% within minutes (docs/BENCHMARKS.md). Rounds that
 ran all rows on one broker and then on the other, half a minute apart, measured that
@@ -18,6 +19,7 @@ fsync "never" as well).
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -31,6 +33,23 @@ HERE = Path(__file__).parent
 ROWS = ["a1", "a2", "b0", "c", "d"]
 ROUNDS = 9
 SIDES = [("off", "wrenmq-memory.toml", WRENMQ_PORT + 5), ("on", "wrenmq-log.toml", WRENMQ_PORT + 6)]
+
+
+def ratio_interval(off, on, level=0.9, resamples=2000, seed=1):
+    """A bootstrap interval of median(on) / median(off): how far the printed ratio may be
+    from the one more rounds would give, on a machine whose speed drifts from run to run.
+
+    Each side's runs are resampled with replacement (`resamples` times, fixed seed so a
+    report can be reproduced from its numbers); returns the (1 - level) / 2 and
+    (1 + level) / 2 quantiles of the resampled ratios.
+    """
+    rng = random.Random(seed)
+    med = statistics.median
+    ratios = sorted(med(rng.choices(on, k=len(on))) / med(rng.choices(off, k=len(off)))
+                    for _ in range(resamples))
+    lo = ratios[int((1 - level) / 2 * (resamples - 1))]
+    hi = ratios[int((1 + level) / 2 * (resamples - 1))]
+    return lo, hi
 
 
 def main(argv=None):
@@ -85,19 +104,20 @@ def main(argv=None):
             b.stop()
     results = []
     print(f"{'row':<5} {'metric':<20} {'off (median)':>13} {'on (median)':>12} {'on/off':>7} "
-          f"{'pairs':>6}  off min-max / on min-max")
+          f"{'90% interval':>13} {'pairs':>6}  off min-max / on min-max")
     for sid in ids:
         off, on = values[sid]["off"], values[sid]["on"]
         if not off or not on:
             continue
         pairs = [y / x for x, y in zip(off, on)]
+        lo, hi = ratio_interval(off, on)
         r = {"row": sid, "metric": SCENARIOS[sid].metrics[0].key, "off": off, "on": on,
              "off_median": statistics.median(off), "on_median": statistics.median(on),
-             "ratio": statistics.median(on) / statistics.median(off),
+             "ratio": statistics.median(on) / statistics.median(off), "ratio_interval": [lo, hi],
              "pair_ratio_median": statistics.median(pairs)}
         results.append(r)
         print(f"{sid:<5} {r['metric']:<20} {r['off_median']:>13,.0f} {r['on_median']:>12,.0f} "
-              f"{r['ratio']:>6.2f}x {r['pair_ratio_median']:>5.2f}x  "
+              f"{r['ratio']:>6.2f}x {lo:>5.2f}-{hi:.2f}x {r['pair_ratio_median']:>5.2f}x  "
               f"{min(off):,.0f}-{max(off):,.0f} / {min(on):,.0f}-{max(on):,.0f}", flush=True)
     for line in problems:
         print(f"problem: {line}")

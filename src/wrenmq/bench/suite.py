@@ -75,9 +75,10 @@ def main(argv=None):
         lines.append(f"\nCommit log on / off (wrenmq, both up, {a.log_rounds} rounds alternating run "
                      f"by run, medians; 'pairs' = median of each back-to-back pair's ratio):")
         for r in doc["rows"]:
+            lo, hi = r["ratio_interval"]
             lines.append(f"  {r['row']:<4} {r['metric']:<22} off {r['off_median']:>10,.0f}  "
-                         f"on {r['on_median']:>10,.0f}  on/off {r['ratio']:.2f}x  "
-                         f"pairs {r['pair_ratio_median']:.2f}x")
+                         f"on {r['on_median']:>10,.0f}  on/off {r['ratio']:.2f}x ({lo:.2f}-{hi:.2f}x, "
+                         f"90% bootstrap)  pairs {r['pair_ratio_median']:.2f}x")
         for line in doc["problems"]:
             lines.append(f"  problem: {line}")
 

@@ -218,7 +218,6 @@ def test_kill9_loses_nothing_acknowledged(serve_broker, tmp_path):
                           f"received {len(seqs)} ({len(set(seqs))} distinct, {dups} duplicates)")
     print(f"\ncrash test: {kills} kill -9 in {DURATION:.0f}s\n  " + "\n  ".join(report))
 
-    assert kills == len(kill_times)
     # Where each message first entered the log.
     from wrenmq.store.log import LogReader
     (part,) = (data / "log").iterdir()

@@ -976,6 +976,9 @@ fsync = "never"
         sub.messages.get(timeout=5)
     after = families(scrape(metrics_port)[2])
     assert after["wrenmq_clients_connected"][1] == 2
+    mqtt_listener = b.broker.config.listener[0].label
+    assert before["wrenmq_listener_connections"] == ("gauge", 0, {"listener": mqtt_listener})
+    assert after["wrenmq_listener_connections"] == ("gauge", 2, {"listener": mqtt_listener})
     assert after["wrenmq_connections_total"] == ("counter", 2, {})
     assert after["wrenmq_publish_received_total"][1] == 20
     assert after["wrenmq_publish_sent_total"][1] >= 20

@@ -428,6 +428,14 @@ class Broker:
             log.exception("publishing $SYS failed")
         self._sys_handle = self.loop.call_later(self.config.sys.interval, self._publish_sys)
 
+    def listener_connections(self):
+        """Open network connections per MQTT listener name (a CONNECT not yet read counts)."""
+        counts = {lst._conn_name: 0 for lst in self._servers if lst.cfg.type != "metrics"}
+        for conn in self.connections:
+            name = conn.listener_name
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
     def extra_sys_values(self):
         """More $SYS values from parts that plug in (commit log, cluster)."""
         store = self.store

@@ -88,6 +88,11 @@ def render(sys_topics):
         "# TYPE wrenmq_start_time_seconds gauge",
         f"wrenmq_start_time_seconds {started:.3f}",
     ]
+    out.append("# HELP wrenmq_listener_connections Open network connections per MQTT listener "
+               "(those whose CONNECT is not read yet included).")
+    out.append("# TYPE wrenmq_listener_connections gauge")
+    for listener, n in sys_topics.broker.listener_connections().items():
+        out.append(f'wrenmq_listener_connections{{listener="{_label(listener)}"}} {n}')
     for topic, name, kind, doc in METRICS:
         value = values.get(topic)
         if value is None:  # (the log's figures, without a commit log)

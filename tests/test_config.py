@@ -3,6 +3,7 @@
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -330,3 +331,28 @@ def test_config_md_is_generated_from_the_code():
     from wrenmq.config import config_markdown
     doc = Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md"
     assert doc.read_text() == config_markdown(), "run: wrenmq config docs > docs/CONFIG.md"
+
+
+def test_example_config_serves_what_it_says(serve_broker):
+    """examples/wrenmq.toml, as a user would start it (its fixed ports swapped for free
+    ones): MQTT with publishes to devices/# recorded in the log, and the metrics port."""
+    import re
+    import urllib.request
+
+    from conftest import free_port, wait_port
+    example = (Path(__file__).resolve().parent.parent / "examples" / "wrenmq.toml").read_text()
+    ws_port, metrics_port = free_port(), free_port()
+    text = example.replace("port = 9001", f"port = {ws_port}").replace("port = 9234", f"port = {metrics_port}")
+    b = serve_broker(text)
+    wait_port(ws_port, proc=b.proc)
+    wait_port(metrics_port, proc=b.proc)
+    sub = subprocess.Popen(["mosquitto_sub", "-p", str(b.port), "-t", "devices/#", "-C", "1", "-W", "10"],
+                           stdout=subprocess.PIPE, text=True)
+    time.sleep(0.2)  # (retained: a subscription that comes later still gets it)
+    subprocess.run(["mosquitto_pub", "-p", str(b.port), "-t", "devices/d1/temp", "-m", "21.5", "-q", "1", "-r"],
+                   check=True, timeout=10)
+    assert sub.communicate(timeout=15)[0].strip() == "21.5"
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert re.search(r"^wrenmq_log_appended_records_total [1-9]", text, re.M), text
+    assert re.search(r"^wrenmq_publish_received_total 1$", text, re.M), text

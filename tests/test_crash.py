@@ -5,7 +5,9 @@ record every PUBACK/PUBCOMP. Persistent subscribers (one 3.1.1 at QoS 1, one 5.0
 QoS 2) come and go. The broker runs as `wrenmq serve` with fsync = "always" and is
 killed with SIGKILL at random moments, then restarted on the same data directory.
 At the end every acknowledged message must have reached every subscriber: at least
-once at QoS 1, exactly once at QoS 2, and in order per publisher.
+once at QoS 1, exactly once at QoS 2, and in order per publisher. A second run puts the
+two subscribers in one shared subscription: every acknowledged message must reach the
+group.
 """
 
 import json

@@ -987,6 +987,7 @@ fsync = "never"
     # The commit log's figures, as $SYS has them.
     assert after["wrenmq_log_appended_records_total"][1] >= 20
     assert after["wrenmq_log_end_offset"][1] >= 20
+    assert 1 <= after["wrenmq_log_writer_wakes_total"][1] and 1 <= after["wrenmq_log_batches_total"][1] <= 20
     sys_values = b.call(b.broker.sys_topics.snapshot)
     assert after["wrenmq_log_segments"][1] == sys_values["$SYS/broker/log/segments"]
     # Reading them does not move $SYS's load averages (SysTopics.values does).

@@ -451,6 +451,8 @@ class Broker:
             "$SYS/broker/log/writer_waits": store.reader_waits,
             "$SYS/broker/log/syncs": store.syncs,
             "$SYS/broker/log/sealed_syncs": store.sealed_syncs,
+            "$SYS/broker/log/batches": store.batches,
+            "$SYS/broker/log/writer_wakes": store.wakes,
         }
         if store.log is not None:
             values["$SYS/broker/log/segments"] = len(store.log.segments)

@@ -197,6 +197,8 @@ class Store(EpochAppender):
         self.failed = None
         self.appended = 0
         self.bytes_appended = 0
+        self.batches = 0  # batches written (appended / batches: records per group commit)
+        self.wakes = 0  # times the writer woke and took epochs (each a few turns with the GIL)
         # Records deleted while persistent sessions still needed them (kept across restarts).
         self.lost_to_retention = int(self.db.meta().get("retention_lost", 0))
         if st.fsync == "never":  # a segment the log rolls away from is the kernel's to write back
@@ -367,6 +369,8 @@ class Store(EpochAppender):
                     e = q.get_nowait()
                 except queue.Empty:
                     break
+            if epochs:
+                self.wakes += 1
             unwritten = self.unwritten_bytes
             if unwritten > self.unwritten_peak:
                 self.unwritten_peak = unwritten
@@ -521,6 +525,7 @@ class Store(EpochAppender):
             data, first_ts, max_ts = encode_epochs(epochs)
             size = log.append(data, base, count, first_ts, max_ts)
         self.appended += count
+        self.batches += 1
         self.bytes_appended += size
 
     # --- reading back ------------------------------------------------------------

@@ -24,7 +24,8 @@ from mqtt_helpers import (drain, kill, no_reconnect, persistent, pprops, publish
                           raw_subscribe, session_present, sub, uid, wait_for)
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import encode
-from wrenmq.mqtt.packets import Connect, Pubcomp, Publish, Pubrec, Pubrel
+from wrenmq.mqtt.packets import (Connect, Disconnect, Pubcomp, Publish, Pubrec, Pubrel, Subscribe,
+                                 SubscribeTopic)
 from wrenmq.store.log import LogReader
 
 HOW = pytest.mark.parametrize("how", ["stop", "kill"])
@@ -596,6 +597,57 @@ def test_qos2_inbound_id_from_the_log_survives_a_second_crash(durable, raw_clien
     assert raw_next(c2, C.PUBCOMP).packet_id == 9
     logged = [r.payload for r in b.records(["q2t/#"])]
     assert logged == [b"once"], f"the resend was accepted as a new message: {logged}"
+
+
+@VERSIONS
+def test_qos2_in_the_log_but_not_the_database_still_reaches_a_shared_group(durable, raw_client, version):
+    """A QoS 2 PUBLISH whose log record was written but whose state changes were not (kill
+    -9 between the two): the shared group's choice of a member was among those. The
+    publisher's resend is answered from the log without routing it again, so recovery
+    must route it to the group itself, or it is acknowledged and never delivered (found
+    by test_crash's shared-group run)."""
+    b = durable()
+    mcid, pcid = uid("q2share-m"), uid("q2share-p")
+    m, _ = raw_session(raw_client, b.port, version, mcid)
+    m.send(Subscribe(1, [SubscribeTopic("$share/g/q2s/#", 2)]))
+    assert raw_next(m, C.SUBACK) is not None
+    mark = b.mark()
+    m.send(Disconnect())
+    m.close()
+    b.wait_log(f"client {mcid} disconnected", mark)
+    c, _ = raw_session(raw_client, b.port, version, pcid)
+    c.send(Publish("q2s/a", b"once", qos=2, packet_id=9))
+    assert raw_next(c, C.PUBREC).packet_id == 9
+    b.shutdown("kill")
+    c.close()
+    # Roll the database back to before that commit, as a crash between log and database would.
+    db = sqlite3.connect(b.data / "state.db")
+    with db:
+        assert db.execute("DELETE FROM qos2_in WHERE client_id=?", (pcid,)).rowcount == 1
+        assert db.execute("DELETE FROM outgoing WHERE client_id=?", (mcid,)).rowcount == 1
+        db.execute("UPDATE meta SET value='0' WHERE key='log_through'")
+    db.close()
+
+    b.start()
+    c2, ack = raw_session(raw_client, b.port, version, pcid)
+    assert ack.session_present
+    c2.send(Publish("q2s/a", b"once", qos=2, dup=True, packet_id=9))
+    assert raw_next(c2, C.PUBREC).packet_id == 9
+    c2.send(Pubrel(9))
+    assert raw_next(c2, C.PUBCOMP).packet_id == 9
+    m2, ack = raw_session(raw_client, b.port, version, mcid)
+    assert ack.session_present
+    got = raw_next(m2, C.PUBLISH)
+    assert got is not None and (got.topic, got.payload, got.qos) == ("q2s/a", b"once", 2)
+    m2.send(Pubrec(got.packet_id))
+    assert raw_next(m2, C.PUBREL).packet_id == got.packet_id
+    m2.send(Pubcomp(got.packet_id))
+    try:
+        again = raw_next(m2, C.PUBLISH, timeout=0.5)
+    except TimeoutError:
+        again = None
+    assert again is None, f"delivered twice: {again}"
+    assert [r.payload for r in b.records(["q2s/#"])] == [b"once"]
 
 
 @VERSIONS

@@ -78,6 +78,30 @@ class Persistence:
         msg.offset = rec.offset
         return msg
 
+    def _route_unrouted(self, records):
+        """QoS 2 messages that reached the log before a crash, but whose state changes
+        (the shared group's choice, the retained message) did not reach the database.
+
+        Their publisher was not told (PUBREC waits for both); it resends, and the broker,
+        which knows the packet id from the log, answers without routing the message again
+        (exactly once). Subscribers that read the log get it from there; a shared group
+        keeps its choice only in the database, so it chooses again here, and a retained
+        message is set again: else the message would be acknowledged and never delivered.
+        """
+        router = self.router
+        for rec in records:
+            msg = self.message_from_record(rec)
+            if msg.expiry is not None and router.clock() >= msg.expiry:
+                continue
+            if msg.retain:
+                if msg.payload:
+                    router.retained.set(msg.topic, msg)
+                else:
+                    router.retained.delete(msg.topic)
+                self.retained_changed(msg)
+            hit = router._match(msg.topic)
+            router.route(msg, ((), hit[1]) + hit[2:])  # the shared groups only
+
     # --- sessions ----------------------------------------------------------------
 
     @staticmethod
@@ -289,6 +313,7 @@ class Persistence:
                 s.add_restored_qos2(pid)
         # QoS 2 messages that reached the log just before a crash but not the database.
         log_through = int(meta.get("log_through", end))
+        unrouted = []  # those records: the publisher's resend will be answered, not routed
         if store.log is not None and log_through < end:
             for rec in store.read(max(log_through, start), end - log_through):  # incl. private
                 if rec.qos == 2 and rec.packet_id:
@@ -298,6 +323,8 @@ class Persistence:
                         # Into the database too: the next commit moves log_through past
                         # this record, and a second crash must still know the id.
                         store.op(S.QOS2_IN_ADD, (rec.client_id, rec.packet_id))
+                        if not rec.private:
+                            unrouted.append(rec)
         # Messages owed by packet id or by a shared group's choice: resume them.
         for cid, offset, pid, qos, st, shared in state["outgoing"]:
             s = sessions.get(cid)
@@ -335,6 +362,7 @@ class Persistence:
                                                None, False, ts))
         router.sessions.update(sessions)
         router._matches.clear()
+        self._route_unrouted(unrouted)
         self.restored_sessions = len(sessions)
         # Timers last: expiry and wills that fell due while the broker was down fire now.
         for s in sessions.values():

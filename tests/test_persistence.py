@@ -651,6 +651,43 @@ def test_qos2_in_the_log_but_not_the_database_still_reaches_a_shared_group(durab
 
 
 @VERSIONS
+def test_qos2_retained_in_the_log_but_not_the_database_is_retained(durable, raw_client, version):
+    """The same crash for a retained QoS 2 PUBLISH: the retained message was a state
+    change of the lost transaction, and the resend is not routed again; recovery sets
+    it from the log, and it survives a second crash."""
+    b = durable()
+    pcid = uid("q2ret-p")
+    c, _ = raw_session(raw_client, b.port, version, pcid)
+    c.send(Publish("q2r/a", b"kept", qos=2, retain=True, packet_id=9))
+    assert raw_next(c, C.PUBREC).packet_id == 9
+    b.shutdown("kill")
+    c.close()
+    db = sqlite3.connect(b.data / "state.db")
+    with db:
+        assert db.execute("DELETE FROM qos2_in WHERE client_id=?", (pcid,)).rowcount == 1
+        assert db.execute("DELETE FROM retained WHERE topic='q2r/a'").rowcount == 1
+        db.execute("UPDATE meta SET value='0' WHERE key='log_through'")
+    db.close()
+
+    b.start()
+    c2, ack = raw_session(raw_client, b.port, version, pcid)
+    assert ack.session_present
+    c2.send(Publish("q2r/a", b"kept", qos=2, retain=True, dup=True, packet_id=9))
+    assert raw_next(c2, C.PUBREC).packet_id == 9
+    c2.send(Pubrel(9))
+    assert raw_next(c2, C.PUBCOMP).packet_id == 9
+    barrier(b, version)
+    b.restart("kill")
+    for _ in range(2):  # now, and after the restart that follows
+        s, _ = raw_session(raw_client, b.port, version, uid("q2ret-s"), clean=True, expiry=0)
+        s.send(Subscribe(1, [SubscribeTopic("q2r/#", 1)]))
+        got = raw_next(s, C.PUBLISH)
+        assert got is not None and (got.topic, got.payload, got.retain) == ("q2r/a", b"kept", True)
+        s.close()
+        b.restart("kill")
+
+
+@VERSIONS
 def test_qos2_id_released_before_a_kill_stays_released(durable, raw_client, version):
     """The rescan at recovery starts at log_through, which the writer moves with every
     transaction that changes state but otherwise only once a second. A QoS 2 id released

@@ -185,40 +185,61 @@ def _load_and_kill(broker, pubs, subs, rnd):
     return kills
 
 
-def test_kill9_loses_nothing_acknowledged(serve_broker, tmp_path):
+def _crash_run(serve_broker, tmp_path, seed, subscribers):
+    """A broker (fsync always) on tmp_path/data; `subscribers(port)` subscribed; publishers
+    at QoS 1 (3.1.1) and QoS 2 (5.0) through _load_and_kill. Returns (data directory,
+    subscribers, publishers, kills, acknowledged seqs per publisher)."""
     data = tmp_path / "data"
     broker = serve_broker('[storage]\nfsync = "always"\ncheckpoint_interval_ms = 200\n'
                           '[sys]\ninterval = 0\n',
                           args=("--data-dir", str(data), "--log-level", "warning"))
-    port = broker.port
-    rnd = random.Random(1234)
-    subs = [Subscriber("sub-q1-v311", 4, 1, port), Subscriber("sub-q2-v5", 5, 2, port)]
+    subs = subscribers(broker.port)
     for s in subs:
         assert s.subscribed.wait(10), f"{s.name} could not subscribe"
-    pubs = [Publisher("pub-q1", 4, 1, port), Publisher("pub-q2", 5, 2, port)]
+    pubs = [Publisher("pub-q1", 4, 1, broker.port), Publisher("pub-q2", 5, 2, broker.port)]
+    kills = _load_and_kill(broker, pubs, subs, random.Random(seed))
+    return data, subs, pubs, kills, {p.name: p.acked for p in pubs}
 
-    kills = _load_and_kill(broker, pubs, subs, rnd)
-    acked = {p.name: p.acked for p in pubs}
 
-    def missing(s):
+def _missing(subs, pubs, acked):
+    """Per publisher, the acknowledged seqs that none of `subs` received."""
+    got = set()
+    for s in subs:
         with s.lock:
-            got = set(s.received)
-        return {p.name: sorted(q for q in acked[p.name] if (p.name, q) not in got) for p in pubs}
+            got.update(s.received)
+    return {p.name: sorted(q for q in acked[p.name] if (p.name, q) not in got) for p in pubs}
 
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(any(m.values()) for m in map(missing, subs)):
+
+def _settle(still_missing, timeout=60):
+    """Wait while still_missing() is true (subscribers catching up after the last kill)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and still_missing():
         time.sleep(0.2)
 
-    report = []
+
+def _report(title, kills, subs, pubs, acked):
+    lines = []
     for s in subs:
         with s.lock:
             received = list(s.received)
         for p in pubs:
             seqs = [q for n, q in received if n == p.name]
             dups = len(seqs) - len(set(seqs))
-            report.append(f"{s.name} <- {p.name}: acked {len(acked[p.name])}, sent {p.sent}, "
-                          f"received {len(seqs)} ({len(set(seqs))} distinct, {dups} duplicates)")
-    print(f"\ncrash test: {kills} kill -9 in {DURATION:.0f}s\n  " + "\n  ".join(report))
+            lines.append(f"{s.name} <- {p.name}: acked {len(acked[p.name])}, sent {p.sent}, "
+                         f"received {len(seqs)} ({len(set(seqs))} distinct, {dups} duplicates)")
+    print(f"\n{title}: {kills} kill -9 in {DURATION:.0f}s\n  " + "\n  ".join(lines))
+
+
+def test_kill9_loses_nothing_acknowledged(serve_broker, tmp_path):
+    data, subs, pubs, kills, acked = _crash_run(
+        serve_broker, tmp_path, 1234,
+        lambda port: [Subscriber("sub-q1-v311", 4, 1, port), Subscriber("sub-q2-v5", 5, 2, port)])
+
+    def missing(s):
+        return _missing([s], pubs, acked)
+
+    _settle(lambda: any(any(m.values()) for m in map(missing, subs)))
+    _report("crash test", kills, subs, pubs, acked)
 
     # Where each message first entered the log.
     from wrenmq.store.log import LogReader
@@ -265,39 +286,16 @@ def test_kill9_shared_group_loses_nothing_acknowledged(serve_broker, tmp_path):
     the time. Every acknowledged message reaches the group (at least once: a message a
     member had not acknowledged may go to the other member, MQTT 5.0 4.8.2), and a
     member at QoS 2 gets no message of the QoS 2 publisher twice."""
-    data = tmp_path / "data"
-    broker = serve_broker('[storage]\nfsync = "always"\ncheckpoint_interval_ms = 200\n'
-                          '[sys]\ninterval = 0\n',
-                          args=("--data-dir", str(data), "--log-level", "warning"))
-    port = broker.port
-    rnd = random.Random(4321)
-    members = [Subscriber("member-q1-v311", 4, 1, port, "$share/g/crash/#"),
-               Subscriber("member-q2-v5", 5, 2, port, "$share/g/crash/#")]
-    for m in members:
-        assert m.subscribed.wait(10), f"{m.name} could not subscribe"
-    pubs = [Publisher("pub-q1", 4, 1, port), Publisher("pub-q2", 5, 2, port)]
-    kills = _load_and_kill(broker, pubs, members, rnd)
-    acked = {p.name: p.acked for p in pubs}
+    _, members, pubs, kills, acked = _crash_run(
+        serve_broker, tmp_path, 4321,
+        lambda port: [Subscriber("member-q1-v311", 4, 1, port, "$share/g/crash/#"),
+                      Subscriber("member-q2-v5", 5, 2, port, "$share/g/crash/#")])
 
     def missing():
-        got = set()
-        for m in members:
-            with m.lock:
-                got.update(m.received)
-        return {p.name: sorted(q for q in acked[p.name] if (p.name, q) not in got) for p in pubs}
+        return _missing(members, pubs, acked)
 
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(missing().values()):
-        time.sleep(0.2)
-    report = []
-    for m in members:
-        with m.lock:
-            received = list(m.received)
-        for p in pubs:
-            seqs = [q for n, q in received if n == p.name]
-            report.append(f"{m.name} <- {p.name}: received {len(seqs)} ({len(set(seqs))} distinct)")
-    print(f"\nshared-group crash test: {kills} kill -9 in {DURATION:.0f}s, acked "
-          f"{ {p.name: len(acked[p.name]) for p in pubs} }\n  " + "\n  ".join(report))
+    _settle(lambda: any(missing().values()))
+    _report("shared-group crash test", kills, members, pubs, acked)
     lost = missing()
     for p in pubs:
         assert not lost[p.name], (f"the group never got {len(lost[p.name])} acknowledged messages "

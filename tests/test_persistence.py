@@ -565,6 +565,36 @@ def test_qos2_inbound_exactly_once(durable, pc, raw_client, version, how):
     assert logged == [b"A", b"B", b"C"], f"commit log holds {logged}"
 
 
+def publish_qos2_then_lose_its_commit(b, raw_client, version, pcid, topic, payload, retain=False,
+                                      also=()):
+    """A QoS 2 PUBLISH (packet id 9) from persistent session `pcid`, kill -9 once PUBREC
+    came, then the database rolled back to before that commit, as a crash between log and
+    database would: the publisher's qos2_in id, each (statement, params) of `also` (one
+    row each), and log_through."""
+    c, _ = raw_session(raw_client, b.port, version, pcid)
+    c.send(Publish(topic, payload, qos=2, retain=retain, packet_id=9))
+    assert raw_next(c, C.PUBREC).packet_id == 9
+    b.shutdown("kill")
+    c.close()
+    db = sqlite3.connect(b.data / "state.db")
+    with db:
+        assert db.execute("DELETE FROM qos2_in WHERE client_id=?", (pcid,)).rowcount == 1
+        for statement, params in also:
+            assert db.execute(statement, params).rowcount == 1
+        db.execute("UPDATE meta SET value='0' WHERE key='log_through'")
+    db.close()
+
+
+def resend_qos2(b, raw_client, version, pcid, topic, payload, retain=False):
+    """The publisher back in its session: the DUP resend of packet id 9, PUBREL, PUBCOMP."""
+    c, ack = raw_session(raw_client, b.port, version, pcid)
+    assert ack.session_present
+    c.send(Publish(topic, payload, qos=2, retain=retain, dup=True, packet_id=9))
+    assert raw_next(c, C.PUBREC).packet_id == 9
+    c.send(Pubrel(9))
+    assert raw_next(c, C.PUBCOMP).packet_id == 9
+
+
 @VERSIONS
 def test_qos2_inbound_id_from_the_log_survives_a_second_crash(durable, raw_client, version):
     """A QoS 2 PUBLISH whose log record was written but whose id never reached the
@@ -573,28 +603,13 @@ def test_qos2_inbound_id_from_the_log_survives_a_second_crash(durable, raw_clien
     it and the client's resend is taken as a new message (found by test_crash)."""
     b = durable()  # fsync = "always" by default
     pcid = uid("q2twice")
-    c, _ = raw_session(raw_client, b.port, version, pcid)
-    c.send(Publish("q2t/a", b"once", qos=2, packet_id=9))
-    assert raw_next(c, C.PUBREC).packet_id == 9
-    b.shutdown("kill")
-    c.close()
-    # Roll the database back to before that commit, as a crash between log and database would.
-    db = sqlite3.connect(b.data / "state.db")
-    with db:
-        assert db.execute("DELETE FROM qos2_in WHERE client_id=?", (pcid,)).rowcount == 1
-        db.execute("UPDATE meta SET value='0' WHERE key='log_through'")
-    db.close()
+    publish_qos2_then_lose_its_commit(b, raw_client, version, pcid, "q2t/a", b"once")
 
     b.start()
     barrier(b, version)  # a later commit moves log_through past the record
     b.restart("kill")
 
-    c2, ack = raw_session(raw_client, b.port, version, pcid)
-    assert ack.session_present
-    c2.send(Publish("q2t/a", b"once", qos=2, dup=True, packet_id=9))
-    assert raw_next(c2, C.PUBREC).packet_id == 9
-    c2.send(Pubrel(9))
-    assert raw_next(c2, C.PUBCOMP).packet_id == 9
+    resend_qos2(b, raw_client, version, pcid, "q2t/a", b"once")
     logged = [r.payload for r in b.records(["q2t/#"])]
     assert logged == [b"once"], f"the resend was accepted as a new message: {logged}"
 
@@ -615,26 +630,11 @@ def test_qos2_in_the_log_but_not_the_database_still_reaches_a_shared_group(durab
     m.send(Disconnect())
     m.close()
     b.wait_log(f"client {mcid} disconnected", mark)
-    c, _ = raw_session(raw_client, b.port, version, pcid)
-    c.send(Publish("q2s/a", b"once", qos=2, packet_id=9))
-    assert raw_next(c, C.PUBREC).packet_id == 9
-    b.shutdown("kill")
-    c.close()
-    # Roll the database back to before that commit, as a crash between log and database would.
-    db = sqlite3.connect(b.data / "state.db")
-    with db:
-        assert db.execute("DELETE FROM qos2_in WHERE client_id=?", (pcid,)).rowcount == 1
-        assert db.execute("DELETE FROM outgoing WHERE client_id=?", (mcid,)).rowcount == 1
-        db.execute("UPDATE meta SET value='0' WHERE key='log_through'")
-    db.close()
+    publish_qos2_then_lose_its_commit(b, raw_client, version, pcid, "q2s/a", b"once",
+                                      also=[("DELETE FROM outgoing WHERE client_id=?", (mcid,))])
 
     b.start()
-    c2, ack = raw_session(raw_client, b.port, version, pcid)
-    assert ack.session_present
-    c2.send(Publish("q2s/a", b"once", qos=2, dup=True, packet_id=9))
-    assert raw_next(c2, C.PUBREC).packet_id == 9
-    c2.send(Pubrel(9))
-    assert raw_next(c2, C.PUBCOMP).packet_id == 9
+    resend_qos2(b, raw_client, version, pcid, "q2s/a", b"once")
     m2, ack = raw_session(raw_client, b.port, version, mcid)
     assert ack.session_present
     got = raw_next(m2, C.PUBLISH)
@@ -657,25 +657,11 @@ def test_qos2_retained_in_the_log_but_not_the_database_is_retained(durable, raw_
     it from the log, and it survives a second crash."""
     b = durable()
     pcid = uid("q2ret-p")
-    c, _ = raw_session(raw_client, b.port, version, pcid)
-    c.send(Publish("q2r/a", b"kept", qos=2, retain=True, packet_id=9))
-    assert raw_next(c, C.PUBREC).packet_id == 9
-    b.shutdown("kill")
-    c.close()
-    db = sqlite3.connect(b.data / "state.db")
-    with db:
-        assert db.execute("DELETE FROM qos2_in WHERE client_id=?", (pcid,)).rowcount == 1
-        assert db.execute("DELETE FROM retained WHERE topic='q2r/a'").rowcount == 1
-        db.execute("UPDATE meta SET value='0' WHERE key='log_through'")
-    db.close()
+    publish_qos2_then_lose_its_commit(b, raw_client, version, pcid, "q2r/a", b"kept", retain=True,
+                                      also=[("DELETE FROM retained WHERE topic=?", ("q2r/a",))])
 
     b.start()
-    c2, ack = raw_session(raw_client, b.port, version, pcid)
-    assert ack.session_present
-    c2.send(Publish("q2r/a", b"kept", qos=2, retain=True, dup=True, packet_id=9))
-    assert raw_next(c2, C.PUBREC).packet_id == 9
-    c2.send(Pubrel(9))
-    assert raw_next(c2, C.PUBCOMP).packet_id == 9
+    resend_qos2(b, raw_client, version, pcid, "q2r/a", b"kept", retain=True)
     barrier(b, version)
     b.restart("kill")
     for _ in range(2):  # now, and after the restart that follows

@@ -1005,6 +1005,28 @@ path = "/probe/metrics"
     assert scrape(port, "/probe/metrics")[0] == 200
     assert scrape(port, "/probe/metrics?x=1")[0] == 200
     assert scrape(port, "/metrics")[0] == 404
+    # HEAD: the GET's headers, no body. Other methods: 405, with what is allowed.
+    import http.client
+
+    for method, status in (("HEAD", 200), ("DELETE", 405), ("POST", 405), ("PUT", 405)):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request(method, "/probe/metrics", headers={"Content-Length": "0"})
+        r = conn.getresponse()
+        body = r.read()
+        conn.close()
+        assert r.status == status, method
+        if method == "HEAD":
+            assert int(r.headers["Content-Length"]) > 1000
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        else:
+            assert r.headers["Allow"] == "GET, HEAD" and body == b"Method Not Allowed\n"
+    # (http.client reads no body after HEAD: on the wire, nothing follows the headers.)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"HEAD /probe/metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"\r\n\r\n")
     # Not HTTP at all: closed at once. An MQTT CONNECT (no request line): closed when the
     # 5 s allowed for a request run out. The broker serves on.
     for junk, within in ((b"\x00\xff" * 100 + b"\r\n\r\n", 2), (connect_bytes(), 9)):

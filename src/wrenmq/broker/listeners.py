@@ -747,9 +747,15 @@ class Listener:
         def process_request(connection, request):
             if urllib.parse.urlsplit(request.path).path != path:
                 return connection.respond(http.HTTPStatus.NOT_FOUND, "Not Found\n")
+            if request.method not in ("GET", "HEAD"):
+                response = connection.respond(http.HTTPStatus.METHOD_NOT_ALLOWED, "Method Not Allowed\n")
+                response.headers["Allow"] = "GET, HEAD"
+                return response
             response = connection.respond(http.HTTPStatus.OK, render(sys_topics))
             del response.headers["Content-Type"]
             response.headers["Content-Type"] = CONTENT_TYPE
+            if request.method == "HEAD":  # the GET's headers (its Content-Length too), no body
+                response.body = b""
             return response
 
         async def never(ws):  # (every request is answered by process_request)

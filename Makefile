@@ -91,7 +91,7 @@ endif
 test-deps: $(VENV)/.stamp-test debian-test-deps npm-test-deps
 
 test: test-deps
-	PATH="$(abspath $(NPM_PREFIX))/node_modules/.bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+	PATH="$(abspath $(NPM_PREFIX))/node_modules/.bin:$$PATH" WRENMQ_TEST_NO_SKIP=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 # --- bench -------------------------------------------------------------------
 

@@ -29,6 +29,29 @@ ROOT = Path(__file__).resolve().parent.parent
 WRENMQ = str(Path(sys.executable).with_name("wrenmq"))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under `make test` (WRENMQ_TEST_NO_SKIP=1), which installs every tool the suite uses
+    (mosquitto clients, MQTT.js, Java and PySpark), a skip means an install went wrong and
+    a feature went untested: it is reported as a failure, with the skip's reason."""
+    outcome = yield
+    _no_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a whole module skipped while collected (`pytest.importorskip`)."""
+    outcome = yield
+    _no_skip(outcome.get_result())
+
+
+def _no_skip(report):
+    if report.skipped and os.environ.get("WRENMQ_TEST_NO_SKIP") == "1" and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under make test, where nothing may be: {reason}"
+
+
 class RunningBroker:
     """A Broker on a background thread; call `call(fn)` to run fn on its loop."""
 

@@ -450,6 +450,28 @@ def test_tls_handshake_timeout(make_broker, pki, caplog):
     assert wait_log(caplog, "timed out after 0.5s")
 
 
+def test_tls_handshakes_count_against_max_connections(make_broker, pki, pahos):
+    """Connections still in their TLS handshake count as connections (as they do in a
+    WebSocket handshake, or waiting for CONNECT): idle ones cannot hold more than the limit."""
+    port = free_port()
+    b = make_broker(tls_listener(pki, port) + "[limits]\nmax_connections = 3\nconnect_timeout = 30\n")
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+    deadline = time.monotonic() + 5
+    while b.call(lambda: b.broker.handshakes) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _closed_at_once(port)
+    assert _closed_at_once(b.port)  # the plain listener counts them too
+    for s in idle:
+        s.close()
+    deadline = time.monotonic() + 5
+    while b.call(lambda: b.broker.handshakes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    clients = [pahos(port, 5, cafile=pki.ca_file), pahos(port, 4, cafile=pki.ca_file), pahos(b.port, 5)]
+    assert b.call(lambda: (b.broker.handshakes, len(b.broker.connections))) == (0, 3)
+    assert _closed_at_once(port)
+    roundtrip(clients[0], clients[2])
+
+
 def _memory_bio_client(pki):
     ctx = pki.client_context()
     inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
@@ -746,6 +768,44 @@ def test_websocket_reading_paused_during_authentication(make_broker):
         assert [p.TYPE for p in got] == [C.CONNACK, C.SUBACK, C.PUBLISH]
 
 
+def _closed_at_once(port):
+    """True if a new connection to `port` is closed before it sends anything."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.settimeout(2)
+        try:
+            return s.recv(10) == b""
+        except ConnectionResetError:
+            return True
+        except socket.timeout:
+            return False
+
+
+def test_websocket_handshakes_count_against_max_connections(make_broker, pahos):
+    """Connections still in their WebSocket handshake count as connections, as MQTT
+    connections do before their CONNECT: idle ones cannot hold more than max_connections."""
+    port = free_port()
+    b = make_broker(ws_listener(port) + "[limits]\nmax_connections = 3\nconnect_timeout = 30\n")
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+    assert _closed_at_once(port)
+    assert b.call(b.broker.sys_topics.snapshot)["$SYS/broker/connections/refused"] >= 1
+    for s in idle:
+        s.close()
+    deadline = time.monotonic() + 5
+    while b.call(lambda: b.broker.handshakes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # Handshakes that end (closed, or done) uncount themselves: three real clients fit,
+    # and while they are connected a fourth is refused at once.
+    clients = [pahos(port, 5, transport="websockets") for _ in range(3)]
+    assert b.call(lambda: b.broker.handshakes) == 0
+    assert _closed_at_once(port)
+    clients[0].disconnect()
+    clients[0].disconnected.wait(5)
+    deadline = time.monotonic() + 5
+    while b.call(lambda: len(b.broker.connections)) > 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    roundtrip(clients[1], pahos(port, 4, transport="websockets"))
+
+
 def test_websocket_slow_subscriber_is_paused_not_buffered(make_broker, pahos):
     """A WebSocket subscriber that stops reading: the broker pauses it (its QoS 0 messages
     are dropped, its output stays bounded) while a TCP subscriber gets everything."""
@@ -1038,6 +1098,54 @@ path = "/probe/metrics"
     assert scrape(port, "/probe/metrics")[0] == 200
     # MQTT clients are not served on it, and its scrapes are not MQTT connections.
     assert families(scrape(port, "/probe/metrics")[2])["wrenmq_connections_total"][1] == 0
+
+
+def test_metrics_listener_bounds_its_open_connections(make_broker):
+    """A flood of idle connections to the metrics port holds at most METRICS_MAX_OPEN of
+    them (each until the 5 s request timeout); the next are closed at once."""
+    from wrenmq.broker.listeners import METRICS_MAX_OPEN
+
+    b = make_broker('[[listener]]\ntype = "metrics"\nport = 0\n')
+    port = b.broker.addresses[1][1]
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(METRICS_MAX_OPEN)]
+    deadline = time.monotonic() + 5
+    while b.call(lambda: b.broker._servers[1].open_requests) < METRICS_MAX_OPEN and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _closed_at_once(port)
+    for s in idle:
+        s.close()
+    deadline = time.monotonic() + 5
+    while b.call(lambda: b.broker._servers[1].open_requests) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert b.call(lambda: b.broker._servers[1].open_requests) == 0
+    assert scrape(port)[0] == 200
+
+
+def test_failed_tls_handshakes_leave_no_count_behind(make_broker, pki):
+    """wss and metrics-over-HTTPS connections whose TLS handshake fails are uncounted (they
+    never reach the WebSocket side), so they cannot use up max_connections or the metrics
+    listener's bound."""
+    from wrenmq.broker.listeners import METRICS_MAX_OPEN
+
+    wss = free_port()
+    b = make_broker(ws_listener(wss, pki) + tls_listener(pki, 0, type="metrics")
+                    + "[limits]\nmax_connections = 5\n")
+    metrics = b.broker.addresses[2][1]
+    for port, n in ((wss, 8), (metrics, METRICS_MAX_OPEN + 8)):
+        for _ in range(n):  # plain HTTP to a TLS port: no ClientHello, closed
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                s.settimeout(5)
+                try:
+                    assert s.recv(100) == b""
+                except ConnectionResetError:
+                    pass
+    deadline = time.monotonic() + 5
+    while b.call(lambda: (b.broker.handshakes, b.broker._servers[2].open_requests)) != (0, 0) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert b.call(lambda: (b.broker.handshakes, b.broker._servers[2].open_requests)) == (0, 0)
+    assert scrape(metrics, context=pki.client_context())[0] == 200
 
 
 def test_metrics_over_https_with_client_certificates(make_broker, pki):

@@ -95,7 +95,8 @@ class LimitsSection:
     max_inflight: int = _key(1024, "In-flight QoS 1/2 messages the broker sends to one client.", 1, 65535)
     max_queued_messages: int = _key(10000, "Messages queued per session beyond the in-flight window; "
                                     "further messages are dropped and counted.", 0, 10_000_000)
-    max_connections: int = _key(100000, "Simultaneous client connections; 0 = no limit.", 0)
+    max_connections: int = _key(100000, "Simultaneous client connections, counted from their accept (TLS and "
+                                         "WebSocket handshakes included); 0 = no limit.", 0)
     topic_alias_maximum: int = _key(64, "Topic aliases a 5.0 client may use towards the broker.", 0, 65535)
     max_session_expiry: int = _key(4294967295, "Cap (s) on session expiry; 4294967295 = no cap.", 0, 4294967295)
     max_message_expiry: int = _key(0, "Cap (s) on message expiry, applied to every message; 0 = no cap.", 0, 4294967295)

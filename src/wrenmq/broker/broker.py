@@ -54,6 +54,9 @@ class Broker:
         self.router = Router(self.config, self.hooks)
         self.auth.router = self.router
         self.connections = set()
+        # Accepted connections still in their TLS or WebSocket handshake (listeners.py): they
+        # count against max_connections with those above.
+        self.handshakes = 0
         self.loop = None
         self._servers = []
         self.addresses = []  # (host, port) actually bound, per listener

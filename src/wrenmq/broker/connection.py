@@ -95,7 +95,7 @@ class Connection(asyncio.Protocol):
         conns = broker.connections
         conns.add(self)
         limits = broker.config.limits
-        if limits.max_connections and len(conns) > limits.max_connections:
+        if limits.max_connections and len(conns) + broker.handshakes > limits.max_connections:
             broker.refused(self, "max_connections reached")
             self.closing = True
             transport.abort()

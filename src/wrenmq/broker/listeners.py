@@ -48,6 +48,9 @@ log = logging.getLogger("wrenmq.listeners")
 
 DEFAULT_WS_PATH = "/mqtt"
 DEFAULT_METRICS_PATH = "/metrics"
+# Connections a metrics listener holds at once. Prometheus scrapes over one; the bound
+# keeps what a flood of idle connections (each kept up to the 5 s request timeout) holds.
+METRICS_MAX_OPEN = 64
 WS_SUBPROTOCOLS = ("mqtt", "mqttv3.1")
 
 # OpenSSL reasons for "what arrived is not TLS at all" (plain MQTT, HTTP, ...).
@@ -164,6 +167,23 @@ class CertConnection(Connection):
         super()._authenticate(pkt)
 
 
+class _Refused(asyncio.Protocol):
+    """Stands in for a connection refused as it is accepted (a listener's bound): closes it
+    at once, counted and logged as the broker counts refused MQTT connections."""
+
+    def __init__(self, broker, listener_name, why):
+        self.broker = broker
+        self.listener_name = listener_name
+        self.why = why
+        self.address = None
+
+    def connection_made(self, transport):
+        peer = transport.get_extra_info("peername")
+        self.address = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
+        self.broker.refused(self, self.why)
+        transport.abort()
+
+
 class _Wrapper(asyncio.Protocol):
     """Base of the protocols that stand in front of the real one for a while."""
 
@@ -237,6 +257,11 @@ class _TLSAcceptor(_Wrapper):
         self.eof = False
         self.lost = False
         self.lost_exc = None
+        # An MQTT connection counts in the broker's handshakes until its Connection counts
+        # itself (ws and metrics connections are counted by their own listener's factory).
+        self.counted = listener.cfg.type == "mqtt"
+        if self.counted:
+            listener.broker.handshakes += 1
 
     def connection_made(self, transport):
         self.transport = transport
@@ -245,6 +270,20 @@ class _TLSAcceptor(_Wrapper):
         self.listener.broker.spawn(self._handshake())
 
     async def _handshake(self):
+        try:
+            await self._run_handshake()
+        finally:
+            if self.counted:
+                self.counted = False
+                self.listener.broker.handshakes -= 1
+            if self.phase != _OPEN:
+                # The inner protocol never saw the connection: a WebSocket or metrics one
+                # that counts itself uncounts now (it gets no connection_lost).
+                abandoned = getattr(self.inner, "abandoned", None)
+                if abandoned is not None:
+                    abandoned()
+
+    async def _run_handshake(self):
         lst = self.listener
         raw = self.transport
         loop = lst.loop
@@ -277,6 +316,9 @@ class _TLSAcceptor(_Wrapper):
         inner = self.inner
         self.phase = _OPEN
         tls.set_protocol(inner)
+        if self.counted:  # the Connection counts itself from here on
+            self.counted = False
+            lst.broker.handshakes -= 1
         inner.connection_made(tls)
         held, self.held = self.held, []
         for data in held:
@@ -617,6 +659,7 @@ class Listener:
         self.ssl_context = None
         self._unix_id = None
         self._ws_opening = weakref.WeakSet()  # websockets connections, for close()
+        self.open_requests = 0  # metrics: its open connections
         self._conn_name = cfg.label  # Connection.listener_name, built once per listener
 
     @property
@@ -647,6 +690,19 @@ class Listener:
             return CertConnection(self.broker, self.cfg, self._conn_name)
         return Connection(self.broker, self.cfg, self._conn_name)
 
+    def _accept_mqtt(self):
+        """The protocol of a connection accepted on an MQTT (or MQTT/TLS) listener. One still
+        in its TLS handshake counts against max_connections, as one waiting for its CONNECT
+        does (Connection.connection_made refuses those past the limit)."""
+        if self.cfg.tls and self._at_connection_limit():
+            return _Refused(self.broker, self._conn_name, "max_connections reached")
+        return self._front(self._connection())
+
+    def _at_connection_limit(self):
+        broker = self.broker
+        limit = broker.config.limits.max_connections
+        return bool(limit) and len(broker.connections) + broker.handshakes >= limit
+
     def _front(self, inner):
         if self.cfg.tls:
             return _TLSAcceptor(inner, self)
@@ -666,9 +722,8 @@ class Listener:
         elif cfg.type == "metrics":
             await self._start_metrics()
         else:
-            self.server = await self.loop.create_server(
-                lambda: self._front(self._connection()), cfg.bind, cfg.port, backlog=4096,
-                reuse_address=True)
+            self.server = await self.loop.create_server(self._accept_mqtt, cfg.bind, cfg.port,
+                                                        backlog=4096, reuse_address=True)
         if cfg.type != "unix":
             socks = self.server.sockets
             addr = socks[0].getsockname()
@@ -696,8 +751,29 @@ class Listener:
         limits = self.broker.config.limits
         path = cfg.path or DEFAULT_WS_PATH
 
+        listener = self
+
+        class WsConnection(ServerConnection):
+            """Counted in the broker's handshakes until its handshake ends (`_ws_session`) or
+            it closes."""
+
+            counted = True
+
+            def connection_lost(self, exc):
+                listener._handshake_over(self)
+                super().connection_lost(exc)
+
+            def abandoned(self):  # (its TLS handshake failed: _TLSAcceptor)
+                listener._handshake_over(self)
+
         def create_connection(*args, **kwargs):
-            conn = ServerConnection(*args, **kwargs)
+            # A connection in its handshake counts against max_connections, as an MQTT
+            # connection does before its CONNECT: else a flood of idle handshakes (each
+            # kept up to connect_timeout) would hold memory past the limit.
+            if self._at_connection_limit():
+                return _Refused(self.broker, self._conn_name, "max_connections reached")
+            conn = WsConnection(*args, **kwargs)
+            self.broker.handshakes += 1
             self._ws_opening.add(conn)
             return self._front(conn)
 
@@ -741,8 +817,30 @@ class Listener:
         path = self.cfg.path or DEFAULT_METRICS_PATH
         sys_topics = self.broker.sys_topics
 
+        listener = self
+
+        class MetricsConnection(ServerConnection):
+            """Counted in the listener's open_requests until it closes."""
+
+            counted = True
+
+            def _uncount(self):
+                if self.counted:
+                    self.counted = False
+                    listener.open_requests -= 1
+
+            def connection_lost(self, exc):
+                self._uncount()
+                super().connection_lost(exc)
+
+            def abandoned(self):  # (its TLS handshake failed: _TLSAcceptor)
+                self._uncount()
+
         def create_connection(*args, **kwargs):
-            return self._front(ServerConnection(*args, **kwargs))
+            if self.open_requests >= METRICS_MAX_OPEN:
+                return _Refused(self.broker, self._conn_name, f"{METRICS_MAX_OPEN} metrics requests open")
+            self.open_requests += 1
+            return self._front(MetricsConnection(*args, **kwargs))
 
         def process_request(connection, request):
             if urllib.parse.urlsplit(request.path).path != path:
@@ -768,7 +866,14 @@ class Listener:
             backlog=128, reuse_address=True)
 
     async def _ws_session(self, ws):
+        self._handshake_over(ws)  # from now on the Connection counts itself
         await WebSocketTransport(ws, self._connection(), self).run()
+
+    def _handshake_over(self, conn):
+        """A ws connection's handshake ended (or it closed first): uncount it, once."""
+        if conn.counted:
+            conn.counted = False
+            self.broker.handshakes -= 1
 
     async def _start_unix(self):
         cfg = self.cfg

@@ -20,7 +20,8 @@ METRICS = (
     ("$SYS/broker/connections/total", "wrenmq_connections_total", "counter",
      "Clients that connected (CONNACK accepted) since the broker started."),
     ("$SYS/broker/connections/refused", "wrenmq_connections_refused_total", "counter",
-     "Connections closed before their CONNECT was read ([limits] connection_rate, max_connections)."),
+     "Connections closed before their CONNECT was read ([limits] connection_rate, max_connections; "
+     "also metrics connections past the listener's bound)."),
     ("$SYS/broker/clients/rate_limited", "wrenmq_clients_rate_limited_total", "counter",
      "Times a client's input was paused by [limits] publish_rate or publish_byte_rate."),
     ("$SYS/broker/publish/messages/received", "wrenmq_publish_received_total", "counter",

@@ -299,3 +299,60 @@ def test_publishers_wait_for_a_log_writer_that_is_behind(make_broker, tmp_path):
     # Past the limit by at most what the two connections read before they yield (256 KiB
     # each, plus one read) and the epochs sealed meanwhile; nowhere near the 6 MB sent.
     assert peak < 2 * 1024 * 1024, peak
+
+
+def _retained(b, clients, flt, version):
+    """The retained messages a new subscriber to `flt` gets: {topic: payload}."""
+    s = clients(b.port, version=version)
+    subscribe(s, flt, 1)
+    got = {}
+    for m in get_messages(s, 100, timeout=1.0):
+        assert m.retain
+        got[m.topic] = m.payload
+    return got
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_max_retained_messages(make_broker, clients, version, caplog):
+    """Past max_retained_messages a client's retained PUBLISH to a new topic is delivered
+    but not retained (counted in $SYS, logged); replacing or clearing a retained topic is
+    always taken, and clearing one makes room."""
+    b = make_broker("[limits]\nmax_retained_messages = 3\n")
+    live = clients(b.port, version=version)
+    subscribe(live, "r/#", 1)
+    p = clients(b.port, version=version)
+    for i in range(1, 6):
+        p.publish(f"r/{i}", b"v%d" % i, qos=1, retain=True).wait_for_publish(5)
+    assert sorted(m.topic for m in get_messages(live, 5)) == [f"r/{i}" for i in range(1, 6)]
+    assert _retained(b, clients, "r/#", version) == {"r/1": b"v1", "r/2": b"v2", "r/3": b"v3"}
+    p.publish("r/2", b"new", qos=1, retain=True).wait_for_publish(5)  # a replacement: taken
+    p.publish("r/1", b"", qos=1, retain=True).wait_for_publish(5)  # cleared: room for one
+    p.publish("r/4", b"v4", qos=1, retain=True).wait_for_publish(5)
+    p.publish("r/5", b"v5", qos=1, retain=True).wait_for_publish(5)  # full again: refused
+    assert _retained(b, clients, "r/#", version) == {"r/2": b"new", "r/3": b"v3", "r/4": b"v4"}
+    values = b.call(b.broker.sys_topics.snapshot)
+    assert b.call(lambda: b.broker.router.retained.client_count) == 3
+    assert values["$SYS/broker/retained messages/count"] >= 3  # (with the broker's own $SYS)
+    assert values["$SYS/broker/retained messages/bytes"] == 3 * 3 + 3 + 2 + 2
+    assert values["$SYS/broker/retained messages/refused"] == 3
+    assert "max_retained_messages 3" in caplog.text
+    # The broker's own retained messages ($SYS, the embedding API) are not limited.
+    b.call(lambda: b.broker.publish("status/broker", b"up", retain=True))
+    assert _retained(b, clients, "status/#", version) == {"status/broker": b"up"}
+
+
+def test_max_retained_bytes(make_broker, clients):
+    """max_retained_bytes counts topics and payloads: a retained message that would take
+    the total past it is delivered but not retained, and the topic keeps what it had."""
+    b = make_broker("[limits]\nmax_retained_bytes = 1000\n")
+    p = clients(b.port, version=5)
+    p.publish("a", b"x" * 600, qos=1, retain=True).wait_for_publish(5)
+    p.publish("b", b"y" * 600, qos=1, retain=True).wait_for_publish(5)  # 1,202 bytes: refused
+    p.publish("a", b"z" * 900, qos=1, retain=True).wait_for_publish(5)  # 901: taken
+    p.publish("a", b"w" * 2000, qos=1, retain=True).wait_for_publish(5)  # grows past: refused
+    p.publish("a", b"s" * 10, qos=1, retain=True).wait_for_publish(5)  # shrinks: taken
+    p.publish("b", b"y" * 600, qos=1, retain=True).wait_for_publish(5)  # 612 bytes now: taken
+    assert _retained(b, clients, "#", 5) == {"a": b"s" * 10, "b": b"y" * 600}
+    values = b.call(b.broker.sys_topics.snapshot)
+    assert values["$SYS/broker/retained messages/bytes"] == 1 + 10 + 1 + 600
+    assert values["$SYS/broker/retained messages/refused"] == 2

@@ -121,6 +121,13 @@ class LimitsSection:
                                  "behind its window); beyond it like max_queued_messages. 0 = no limit.", 0)
     max_inflight_bytes: int = _key(16777216, "Bytes of unacknowledged QoS 1/2 messages sent to one "
                                    "client; further messages wait in its queue. 0 = no limit.", 0)
+    max_retained_messages: int = _key(1000000, "Retained messages from clients held; beyond it a client's "
+                                      "retained PUBLISH to a new topic is delivered but not retained "
+                                      "(counted, logged). 0 = no limit.", 0)
+    max_retained_bytes: int = _key(1073741824, "Bytes (topics and payloads) of the clients' retained "
+                                   "messages; a retained PUBLISH that would take them past it is "
+                                   "delivered but not retained, and its topic keeps what it had. "
+                                   "0 = no limit.", 0)
     queue_memory: int = _key(1073741824, "Bytes of queued messages across all sessions; beyond it new "
                              "messages for queues are dropped (and counted) unless the commit log "
                              "holds them. 0 = no limit.", 0)

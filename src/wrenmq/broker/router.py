@@ -20,7 +20,7 @@ from ..mqtt.codec import MQTTError, encode
 from ..mqtt.packets import Connack, Suback, Unsuback
 from .message import Message, message_properties
 from .session import NEVER, Outgoing, Session, Subscription
-from .topics import (RetainedTrie, TopicError, TopicTrie, parse_shared, topic_matches,
+from .topics import (RetainedTrie, TopicError, TopicTrie, parse_shared, retained_size, topic_matches,
                      validate_topic_filter)
 
 log = logging.getLogger("wrenmq.router")
@@ -43,7 +43,7 @@ class Stats:
     __slots__ = ("started", "msgs_received", "msgs_sent", "bytes_received", "bytes_sent",
                  "pub_received", "pub_sent", "pub_dropped", "connects", "clients_maximum",
                  "denied_publish", "denied_subscribe", "denied_deliver", "expired", "rate_limited",
-                 "refused_connections")
+                 "refused_connections", "retained_refused")
 
     def __init__(self):
         self.started = time.time()
@@ -105,6 +105,7 @@ class Router:
         self.subs = TopicTrie()  # filter -> {client id: Subscription}
         self.shared = TopicTrie()  # filter -> {group name: SharedGroup}
         self.retained = RetainedTrie()
+        self._retained_refused_logged = float("-inf")
         self._matches = {}  # topic -> (normal targets, shared groups)
         self.dirty = set()  # stored sessions whose log cursor may have moved
         self.stats = Stats()
@@ -779,13 +780,47 @@ class Router:
         if hit[2] is not None:
             persist.store.append(msg, packet_id, hit[2].topic)
         if msg.retain:
-            if msg.payload:
-                self.retained.set(msg.topic, msg)
-            else:
+            if not msg.payload:
                 self.retained.delete(msg.topic)
-            if persist is not None:
-                persist.retained_changed(msg)
+                if persist is not None:
+                    persist.retained_changed(msg)
+            elif not msg.client_id or not self._over_retained_limits(msg):
+                self.retained.set(msg.topic, msg)
+                if persist is not None:
+                    persist.retained_changed(msg)
         return self.route(msg, hit)
+
+    def _over_retained_limits(self, msg):
+        """True (counted, logged at most once a second) if retaining a client's `msg` would
+        take the clients' retained messages past [limits] max_retained_messages or
+        max_retained_bytes: it is delivered, not retained, and its topic keeps what it had.
+        A replacement that does not grow them is always taken."""
+        limits = self.limits
+        max_n = limits.max_retained_messages
+        max_b = limits.max_retained_bytes
+        if not max_n and not max_b:
+            return False
+        retained = self.retained
+        topic = msg.topic
+        old = retained.get(topic)
+        n = retained.client_count + 1
+        b = retained.client_bytes + retained_size(topic, msg)
+        if old is not None and old.client_id:
+            n -= 1
+            b -= retained_size(topic, old)
+        grows = n > retained.client_count or b > retained.client_bytes
+        if grows and ((max_n and n > max_n) or (max_b and b > max_b)):
+            stats = self.stats
+            stats.retained_refused += 1
+            now = self.clock()
+            if now - self._retained_refused_logged >= 1.0:
+                self._retained_refused_logged = now
+                log.warning("not retaining %r from %s: clients' retained messages at %d, %d bytes "
+                            "([limits] max_retained_messages %d, max_retained_bytes %d); %d refused so far",
+                            topic[:200], msg.client_id, retained.client_count, retained.client_bytes,
+                            max_n, max_b, stats.retained_refused)
+            return True
+        return False
 
     def _match(self, topic):
         agg = {}

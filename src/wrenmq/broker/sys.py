@@ -67,6 +67,8 @@ class SysTopics:
             "$SYS/broker/subscriptions/count": r.subscription_count(),
             "$SYS/broker/subscriptions/denied": s.denied_subscribe,
             "$SYS/broker/retained messages/count": r.retained.count,
+            "$SYS/broker/retained messages/bytes": r.retained.client_bytes,
+            "$SYS/broker/retained messages/refused": s.retained_refused,
             "$SYS/broker/store/messages/count": sum(len(x.queue) + len(x.inflight) for x in r.sessions.values()),
             "$SYS/broker/connections/total": s.connects,
         }

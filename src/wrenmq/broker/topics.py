@@ -176,14 +176,32 @@ class TopicTrie:
                 stack.append((child, path + (level,)))
 
 
-class RetainedTrie:
-    """Retained messages by topic, found by topic filter without scanning all of them."""
+def retained_size(topic, msg):
+    """What a client's retained message counts against [limits] max_retained_bytes: its
+    topic and payload."""
+    return len(topic) + len(msg.payload)
 
-    __slots__ = ("_root", "count")
+
+class RetainedTrie:
+    """Retained messages by topic, found by topic filter without scanning all of them.
+
+    `count`: all of them. `client_count` and `client_bytes` (retained_size of each): the
+    clients' ones, what [limits] max_retained_messages and max_retained_bytes bound; the
+    broker's own ($SYS, the embedding API: no client id) are not counted there.
+    """
+
+    __slots__ = ("_root", "count", "client_count", "client_bytes")
 
     def __init__(self):
         self._root = _Node()
         self.count = 0
+        self.client_count = 0
+        self.client_bytes = 0
+
+    def _weigh(self, topic, msg, sign):
+        if getattr(msg, "client_id", ""):  # (the tests store plain values: not a client's)
+            self.client_count += sign
+            self.client_bytes += sign * retained_size(topic, msg)
 
     def set(self, topic, msg):
         node = self._root
@@ -194,6 +212,9 @@ class RetainedTrie:
             node = child
         if node.values is None:
             self.count += 1
+        else:
+            self._weigh(topic, node.values, -1)
+        self._weigh(topic, msg, 1)
         node.values = msg
 
     def get(self, topic):
@@ -218,6 +239,7 @@ class RetainedTrie:
             return None
         node.values = None
         self.count -= 1
+        self._weigh(topic, msg, -1)
         for parent, level in reversed(path):
             child = parent.children[level]
             if child.values is not None or child.children:

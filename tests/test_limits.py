@@ -356,3 +356,37 @@ def test_max_retained_bytes(make_broker, clients):
     values = b.call(b.broker.sys_topics.snapshot)
     assert values["$SYS/broker/retained messages/bytes"] == 1 + 10 + 1 + 600
     assert values["$SYS/broker/retained messages/refused"] == 2
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_max_sessions_refuses_new_persistent_sessions_only(make_broker, version):
+    """Offline sessions are what a client can pile up, a new client id each time: past
+    max_sessions a CONNECT that would start another persistent session is refused (5.0
+    CONNACK 0x97, 3.1.1 0x03); clean sessions and the sessions already held still connect."""
+    b = make_broker("[limits]\nmax_sessions = 3\n")
+    persistent = {"session_expiry_interval": 60} if version == 5 else None
+
+    def connect(cid, keep, resume=False):
+        c = RawClient(b.port, version)
+        clean = not keep if version == 4 else not resume
+        c.send(Connect(cid, version, clean, 60, properties=persistent if keep and version == 5 else None))
+        return c, c.recv()
+
+    for i in range(3):
+        c, ack = connect(f"dev-{i}", True)
+        assert ack.reason_code == 0
+        c.send(Disconnect())
+        assert c.closed()
+    c, ack = connect("dev-3", True)
+    assert ack.TYPE == C.CONNACK and ack.reason_code == (C.QUOTA_EXCEEDED if version == 5 else 3)
+    assert c.closed()
+    clean, ack = connect("passing", False)  # ends with its connection: admitted
+    assert ack.reason_code == 0
+    clean.close()
+    again, ack = connect("dev-0", True, resume=True)  # a session held comes back
+    assert ack.reason_code == 0 and ack.session_present
+    again.send(Disconnect())
+    assert again.closed()
+    values = b.call(b.broker.sys_topics.snapshot)
+    assert values["$SYS/broker/clients/refused sessions"] == 1
+    assert b.call(lambda: sorted(b.broker.router.sessions)) == ["dev-0", "dev-1", "dev-2"]

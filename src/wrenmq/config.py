@@ -121,6 +121,10 @@ class LimitsSection:
                                  "behind its window); beyond it like max_queued_messages. 0 = no limit.", 0)
     max_inflight_bytes: int = _key(16777216, "Bytes of unacknowledged QoS 1/2 messages sent to one "
                                    "client; further messages wait in its queue. 0 = no limit.", 0)
+    max_sessions: int = _key(1000000, "Sessions held, connected or not; past it a CONNECT that would "
+                             "start a new session that outlives its connection (session expiry > 0, "
+                             "3.1.1 clean session 0) is refused (5.0 CONNACK 0x97, 3.1.1 0x03). "
+                             "0 = no limit.", 0)
     max_retained_messages: int = _key(1000000, "Retained messages from clients held; beyond it a client's "
                                       "retained PUBLISH to a new topic is delivered but not retained "
                                       "(counted, logged). 0 = no limit.", 0)

@@ -47,6 +47,8 @@ METRICS = (
      "Retained messages held."),
     ("$SYS/broker/retained messages/bytes", "wrenmq_retained_bytes", "gauge",
      "Bytes (topics and payloads) of the clients' retained messages (what [limits] max_retained_bytes bounds)."),
+    ("$SYS/broker/clients/refused sessions", "wrenmq_sessions_refused_total", "counter",
+     "CONNECTs refused because a new persistent session would pass [limits] max_sessions."),
     ("$SYS/broker/retained messages/refused", "wrenmq_retained_refused_total", "counter",
      "Retained PUBLISHes delivered but not retained: [limits] max_retained_messages or max_retained_bytes."),
     ("$SYS/broker/store/messages/count", "wrenmq_queued_messages", "gauge",

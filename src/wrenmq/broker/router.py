@@ -43,7 +43,7 @@ class Stats:
     __slots__ = ("started", "msgs_received", "msgs_sent", "bytes_received", "bytes_sent",
                  "pub_received", "pub_sent", "pub_dropped", "connects", "clients_maximum",
                  "denied_publish", "denied_subscribe", "denied_deliver", "expired", "rate_limited",
-                 "refused_connections", "retained_refused")
+                 "refused_connections", "retained_refused", "sessions_refused")
 
     def __init__(self):
         self.started = time.time()
@@ -106,6 +106,7 @@ class Router:
         self.shared = TopicTrie()  # filter -> {group name: SharedGroup}
         self.retained = RetainedTrie()
         self._retained_refused_logged = float("-inf")
+        self._sessions_refused_logged = float("-inf")
         self._matches = {}  # topic -> (normal targets, shared groups)
         self.dirty = set()  # stored sessions whose log cursor may have moved
         self.stats = Stats()
@@ -244,6 +245,20 @@ class Router:
             else:
                 present = True
         if session is None:
+            max_sessions = limits.max_sessions
+            if expiry and max_sessions and len(self.sessions) >= max_sessions:
+                # Offline sessions are what a client can pile up (a new client id each
+                # time): past the limit only sessions that end with their connection start.
+                stats = self.stats
+                stats.sessions_refused += 1
+                now = self.clock()
+                if now - self._sessions_refused_logged >= 1.0:
+                    self._sessions_refused_logged = now
+                    log.warning("refusing a new persistent session for %s: %d sessions held ([limits] "
+                                "max_sessions %d); %d refused so far", cid, len(self.sessions),
+                                max_sessions, stats.sessions_refused)
+                conn.refuse(pkt.version, C.QUOTA_EXCEEDED)
+                return None
             session = Session(cid)
             self.sessions[cid] = session
 

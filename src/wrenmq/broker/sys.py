@@ -69,6 +69,7 @@ class SysTopics:
             "$SYS/broker/retained messages/count": r.retained.count,
             "$SYS/broker/retained messages/bytes": r.retained.client_bytes,
             "$SYS/broker/retained messages/refused": s.retained_refused,
+            "$SYS/broker/clients/refused sessions": s.sessions_refused,
             "$SYS/broker/store/messages/count": sum(len(x.queue) + len(x.inflight) for x in r.sessions.values()),
             "$SYS/broker/connections/total": s.connects,
         }

@@ -130,7 +130,7 @@ CONNACK_REFUSED_NOT_AUTHORIZED = 5
 
 # How a 5.0 CONNACK reason maps onto a 3.1.1 return code.
 V5_TO_V311_CONNACK = {
-    0x00: 0, 0x84: 1, 0x85: 2, 0x88: 3, 0x89: 3, 0x8B: 3, 0x86: 4, 0x87: 5, 0x8A: 5, 0x8C: 5,
+    0x00: 0, 0x84: 1, 0x85: 2, 0x88: 3, 0x89: 3, 0x8B: 3, 0x97: 3, 0x86: 4, 0x87: 5, 0x8A: 5, 0x8C: 5,
 }
 
 # --- Properties (MQTT 5.0 section 2.2.2.2) --------------------------------

@@ -178,8 +178,8 @@ class TopicTrie:
 
 def retained_size(topic, msg):
     """What a client's retained message counts against [limits] max_retained_bytes: its
-    topic and payload."""
-    return len(topic) + len(msg.payload)
+    topic (UTF-8) and payload."""
+    return len(topic.encode()) + len(msg.payload)
 
 
 class RetainedTrie:

@@ -110,7 +110,7 @@ bench-quick: bench-deps
 
 # The fuzz targets of the test suite with many more examples (make test runs a few hundred),
 # without the suite's 120 s per-test timeout: EXAMPLES=5000 sends about 6,700 hostile
-# conversations to a live broker and takes about 15 minutes here (600: about 2).
+# conversations to a live broker and takes about 23 minutes here (600: about 2).
 fuzz: test-deps
 	WRENMQ_FUZZ_EXAMPLES=$${EXAMPLES:-5000} $(PY) -m pytest -q -s --timeout=0 tests/test_fuzz.py $(PYTEST_ARGS)
 

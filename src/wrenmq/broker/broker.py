@@ -83,7 +83,6 @@ class Broker:
         self._held = collections.deque()
         self._checkpoint_handle = None
         self._accept = {}  # listener name -> connection_rate token bucket
-        self._refused_logged = 0.0
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -392,13 +391,10 @@ class Broker:
 
     def refused(self, conn, why):
         """Count a connection refused before CONNECT; log at most one line per second."""
-        stats = self.router.stats
-        stats.refused_connections += 1
-        now = self.loop.time()
-        if now - self._refused_logged >= 1.0:
-            self._refused_logged = now
+        n = self.router.stats.refuse("refused_connections")
+        if n:
             log.warning("refusing connections (%s): %d so far, latest from %s on %s", why,
-                        stats.refused_connections, conn.address, conn.listener_name)
+                        n, conn.address, conn.listener_name)
 
     def spawn(self, coro):
         """Run a coroutine for one connection (authentication); kept so it can be cancelled."""

@@ -184,6 +184,28 @@ class _Refused(asyncio.Protocol):
         transport.abort()
 
 
+def _counted(base, uncount):
+    """A subclass of websockets' ServerConnection `base` counted from its accept by its
+    listener's factory: `uncount()` runs once, at the first of `uncount`, its close, or
+    `abandoned` (_TLSAcceptor: its TLS handshake failed, so it gets no connection_lost)."""
+
+    class Counted(base):
+        counted = True
+
+        def uncount(self):
+            if self.counted:
+                self.counted = False
+                uncount()
+
+        def connection_lost(self, exc):
+            self.uncount()
+            super().connection_lost(exc)
+
+        abandoned = uncount
+
+    return Counted
+
+
 class _Wrapper(asyncio.Protocol):
     """Base of the protocols that stand in front of the real one for a while."""
 
@@ -263,6 +285,11 @@ class _TLSAcceptor(_Wrapper):
         if self.counted:
             listener.broker.handshakes += 1
 
+    def _uncount(self):
+        if self.counted:
+            self.counted = False
+            self.listener.broker.handshakes -= 1
+
     def connection_made(self, transport):
         self.transport = transport
         self.peer = _peer(transport)
@@ -273,9 +300,7 @@ class _TLSAcceptor(_Wrapper):
         try:
             await self._run_handshake()
         finally:
-            if self.counted:
-                self.counted = False
-                self.listener.broker.handshakes -= 1
+            self._uncount()
             if self.phase != _OPEN:
                 # The inner protocol never saw the connection: a WebSocket or metrics one
                 # that counts itself uncounts now (it gets no connection_lost).
@@ -316,9 +341,7 @@ class _TLSAcceptor(_Wrapper):
         inner = self.inner
         self.phase = _OPEN
         tls.set_protocol(inner)
-        if self.counted:  # the Connection counts itself from here on
-            self.counted = False
-            lst.broker.handshakes -= 1
+        self._uncount()  # the Connection counts itself from here on
         inner.connection_made(tls)
         held, self.held = self.held, []
         for data in held:
@@ -751,20 +774,13 @@ class Listener:
         limits = self.broker.config.limits
         path = cfg.path or DEFAULT_WS_PATH
 
-        listener = self
+        broker = self.broker
 
-        class WsConnection(ServerConnection):
-            """Counted in the broker's handshakes until its handshake ends (`_ws_session`) or
-            it closes."""
+        def handshake_over():
+            broker.handshakes -= 1
 
-            counted = True
-
-            def connection_lost(self, exc):
-                listener._handshake_over(self)
-                super().connection_lost(exc)
-
-            def abandoned(self):  # (its TLS handshake failed: _TLSAcceptor)
-                listener._handshake_over(self)
+        # Counted in the broker's handshakes until its handshake ends (_ws_session) or it closes.
+        WsConnection = _counted(ServerConnection, handshake_over)
 
         def create_connection(*args, **kwargs):
             # A connection in its handshake counts against max_connections, as an MQTT
@@ -817,24 +833,10 @@ class Listener:
         path = self.cfg.path or DEFAULT_METRICS_PATH
         sys_topics = self.broker.sys_topics
 
-        listener = self
+        def request_over():
+            self.open_requests -= 1
 
-        class MetricsConnection(ServerConnection):
-            """Counted in the listener's open_requests until it closes."""
-
-            counted = True
-
-            def _uncount(self):
-                if self.counted:
-                    self.counted = False
-                    listener.open_requests -= 1
-
-            def connection_lost(self, exc):
-                self._uncount()
-                super().connection_lost(exc)
-
-            def abandoned(self):  # (its TLS handshake failed: _TLSAcceptor)
-                self._uncount()
+        MetricsConnection = _counted(ServerConnection, request_over)  # (in open_requests until closed)
 
         def create_connection(*args, **kwargs):
             if self.open_requests >= METRICS_MAX_OPEN:
@@ -866,14 +868,8 @@ class Listener:
             backlog=128, reuse_address=True)
 
     async def _ws_session(self, ws):
-        self._handshake_over(ws)  # from now on the Connection counts itself
+        ws.uncount()  # its handshake is over: from now on the Connection counts itself
         await WebSocketTransport(ws, self._connection(), self).run()
-
-    def _handshake_over(self, conn):
-        """A ws connection's handshake ended (or it closed first): uncount it, once."""
-        if conn.counted:
-            conn.counted = False
-            self.broker.handshakes -= 1
 
     async def _start_unix(self):
         cfg = self.cfg

@@ -43,12 +43,24 @@ class Stats:
     __slots__ = ("started", "msgs_received", "msgs_sent", "bytes_received", "bytes_sent",
                  "pub_received", "pub_sent", "pub_dropped", "connects", "clients_maximum",
                  "denied_publish", "denied_subscribe", "denied_deliver", "expired", "rate_limited",
-                 "refused_connections", "retained_refused", "sessions_refused")
+                 "refused_connections", "retained_refused", "sessions_refused", "_logged")
 
     def __init__(self):
         self.started = time.time()
-        for s in self.__slots__[1:]:
+        for s in self.__slots__[1:-1]:
             setattr(self, s, 0)
+        self._logged = {}  # counter -> when refuse() last said to log
+
+    def refuse(self, counter):
+        """Count one refusal in `counter`; return the count so far if the caller should log
+        it, at most once a second per counter (a flood of refusals is a line a second), else 0."""
+        n = getattr(self, counter) + 1
+        setattr(self, counter, n)
+        now = time.monotonic()
+        if now - self._logged.get(counter, float("-inf")) >= 1.0:
+            self._logged[counter] = now
+            return n
+        return 0
 
 
 class SharedGroup:
@@ -105,8 +117,6 @@ class Router:
         self.subs = TopicTrie()  # filter -> {client id: Subscription}
         self.shared = TopicTrie()  # filter -> {group name: SharedGroup}
         self.retained = RetainedTrie()
-        self._retained_refused_logged = float("-inf")
-        self._sessions_refused_logged = float("-inf")
         self._matches = {}  # topic -> (normal targets, shared groups)
         self.dirty = set()  # stored sessions whose log cursor may have moved
         self.stats = Stats()
@@ -249,14 +259,11 @@ class Router:
             if expiry and max_sessions and len(self.sessions) >= max_sessions:
                 # Offline sessions are what a client can pile up (a new client id each
                 # time): past the limit only sessions that end with their connection start.
-                stats = self.stats
-                stats.sessions_refused += 1
-                now = self.clock()
-                if now - self._sessions_refused_logged >= 1.0:
-                    self._sessions_refused_logged = now
+                n = self.stats.refuse("sessions_refused")
+                if n:
                     log.warning("refusing a new persistent session for %s: %d sessions held ([limits] "
                                 "max_sessions %d); %d refused so far", cid, len(self.sessions),
-                                max_sessions, stats.sessions_refused)
+                                max_sessions, n)
                 conn.refuse(pkt.version, C.QUOTA_EXCEEDED)
                 return None
             session = Session(cid)
@@ -825,15 +832,12 @@ class Router:
             b -= retained_size(topic, old)
         grows = n > retained.client_count or b > retained.client_bytes
         if grows and ((max_n and n > max_n) or (max_b and b > max_b)):
-            stats = self.stats
-            stats.retained_refused += 1
-            now = self.clock()
-            if now - self._retained_refused_logged >= 1.0:
-                self._retained_refused_logged = now
+            n = self.stats.refuse("retained_refused")
+            if n:
                 log.warning("not retaining %r from %s: clients' retained messages at %d, %d bytes "
                             "([limits] max_retained_messages %d, max_retained_bytes %d); %d refused so far",
                             topic[:200], msg.client_id, retained.client_count, retained.client_bytes,
-                            max_n, max_b, stats.retained_refused)
+                            max_n, max_b, n)
             return True
         return False
 

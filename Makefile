@@ -26,6 +26,7 @@ PYTEST_ARGS ?=
 TEST_DEBIAN_PKGS := \
 	mosquitto_sub:mosquitto-clients \
 	mosquitto:mosquitto \
+	etcd:etcd-server \
 	java:openjdk-17-jre-headless
 
 # npm packages the tests need, installed into $(NPM_PREFIX); their binaries are

@@ -194,6 +194,14 @@ ERRORS = [
     ("section-as-array", "[[limits]]\nmax_inflight = 1\n", "limits", "expected a table"),
     ("duplicate-listener", "[[listener]]\nport = 1884\n[[listener]]\nport = 1884\n",
      "listener[1]", "duplicate listener 127.0.0.1:1884"),
+    ("cluster-node-slash", '[cluster]\nnode = "a/b"\n', "cluster.node", "no '/'"),
+    ("cluster-empty-name", '[cluster]\nname = ""\n', "cluster.name", "must not be empty"),
+    ("cluster-etcd-no-port", '[cluster]\netcd = ["localhost"]\n', "cluster.etcd", "expected host:port"),
+    ("cluster-etcd-empty", "[cluster]\netcd = []\n", "cluster.etcd", "at least one endpoint"),
+    ("cluster-advertise-needed", '[cluster]\nenabled = true\nbind = "0.0.0.0"\n', "cluster.advertise",
+     "required when bind is '0.0.0.0'"),
+    ("cluster-bad-advertise", '[cluster]\nadvertise = "host"\n', "cluster.advertise", "expected host:port"),
+    ("cluster-lease-too-short", "[cluster]\nlease_ttl = 1\n", "cluster.lease_ttl", ">= 2"),
 ]
 
 

@@ -69,9 +69,10 @@ async def _run(cfg):
         loop.add_signal_handler(sig, stop.set)
     if hasattr(signal, "SIGHUP"):
         loop.add_signal_handler(signal.SIGHUP, broker.hooks.reload)
+    from .cluster import ClusterError
     try:
         await broker.start()
-    except OSError as e:
+    except (OSError, ClusterError) as e:
         log.error("cannot start: %s", e)
         return 1
     pid_file = cfg.broker.pid_file

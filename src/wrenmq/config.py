@@ -191,6 +191,28 @@ class LogSection:
 
 
 @dataclass
+class ClusterSection:
+    enabled: bool = _key(False, "Join other nodes through etcd to form one broker (docs/CLUSTER.md).")
+    name: str = _key("wrenmq", "Cluster name: nodes with the same name and etcd form one broker "
+                     "(keys under /wrenmq/<name>/).")
+    node: str = _key("", "This node's name, unique in the cluster; empty = <hostname>-<first listener port>.")
+    etcd: list = _key(["127.0.0.1:2379"], "etcd endpoints (host:port), tried in order.")
+    etcd_timeout: float = _key(5.0, "Seconds an etcd request may take before the node counts etcd "
+                               "as unreachable.", 0.1, 300)
+    lease_ttl: int = _key(10, "Seconds a node that stops answering stays in the cluster (its etcd "
+                          "lease); its subscriptions and clients go with it.", 2, 3600)
+    bind: str = _key("127.0.0.1", "Address the node-to-node link listens on.")
+    port: int = _key(1884, "Port of the node-to-node link; 0 picks a free port.", 0, 65535)
+    advertise: str = _key("", "host:port the other nodes connect to; empty = bind:port (set it when "
+                          "bind is 0.0.0.0 or ::).")
+    secret: str = _key("", "Shared by every node: a link that does not present it is closed. Links "
+                       "are plain TCP: keep them on a private network.")
+    link_buffer: int = _key(67108864, "Bytes waiting for one other node, at most: past it, messages "
+                            "for that node are dropped and counted (a slow or dead node cannot "
+                            "fill this one's memory).", 65536)
+
+
+@dataclass
 class SysSection:
     interval: float = _key(10.0, "Seconds between $SYS updates; 0 disables them.", 0)
 
@@ -209,6 +231,7 @@ class Config:
     sys: SysSection = field(default_factory=SysSection)
     storage: StorageSection = field(default_factory=StorageSection)
     log: LogSection = field(default_factory=LogSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     source: str = field(default="<defaults>", metadata={"internal": True})
 
@@ -328,6 +351,26 @@ def _validate_listener(src, i, lst):
         fail("crlfile", "needs cafile (the CA whose revocations it lists)")
 
 
+def _validate_cluster(src, c):
+    def fail(key, msg):
+        raise ConfigError(f"{src}: cluster.{key}: {msg}")
+
+    for key in ("name", "node"):
+        value = getattr(c, key)
+        if "/" in value or any(ord(ch) < 32 for ch in value):
+            fail(key, f"no '/' or control characters, got {value!r}")
+    if not c.name:
+        fail("name", "must not be empty")
+    if not c.etcd:
+        fail("etcd", "at least one endpoint (host:port)")
+    for ep in c.etcd + ([c.advertise] if c.advertise else []):
+        host, _, port = ep.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            fail("etcd" if ep in c.etcd else "advertise", f"expected host:port, got {ep!r}")
+    if c.enabled and not c.advertise and c.bind in ("0.0.0.0", "::", ""):
+        fail("advertise", f"required when bind is {c.bind!r} (the address other nodes connect to)")
+
+
 def validate(cfg):
     """Cross-key checks that types alone cannot express."""
     src = cfg.source
@@ -338,6 +381,7 @@ def validate(cfg):
         if (lst.port or lst.type == "unix") and key in seen:
             raise ConfigError(f"{src}: listener[{i}]: duplicate listener {lst.label}")
         seen.add(key)
+    _validate_cluster(src, cfg.cluster)
     from .broker.topics import TopicError, validate_topic_filter
     for f in cfg.log.topics:
         try:

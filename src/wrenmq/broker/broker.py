@@ -78,6 +78,7 @@ class Broker:
         self._stopped = None
         self.running = False
         self.store = None
+        self.cluster = None  # cluster.node.Cluster with [cluster] enabled
         self.failed = None
         # Output held until the epoch that produced it is durable: [epoch id, [(conn, bytes)]].
         self._held = collections.deque()
@@ -93,6 +94,18 @@ class Broker:
         self.router.on_timer = self._on_timer
         if self.config.storage.mode == "disk":
             self._open_store()
+        if self.config.cluster.enabled:
+            # Joined before the listeners open: no client publishes before its
+            # messages can reach the other nodes.
+            from ..cluster.node import Cluster
+            cluster = Cluster(self, self.config.cluster)
+            try:
+                await cluster.start()
+            except BaseException:
+                if self.store is not None:
+                    self.store.close()
+                raise
+            self.cluster = cluster
         # One Listener per [[listener]] (TCP, TLS, WebSocket, Unix socket): see listeners.py.
         try:
             for i, lst in enumerate(self.config.listener):
@@ -103,6 +116,8 @@ class Broker:
             for listener in self._servers:  # do not leave the ones already open listening
                 listener.close()
             self._servers.clear()
+            if self.cluster is not None:
+                await self.cluster.stop()
             raise
         if any(lst.tls for lst in self.config.listener):
             self.hooks.add(TLSReloadHook(self))  # SIGHUP (hooks.reload) re-reads certificates
@@ -134,6 +149,8 @@ class Broker:
         self.running = False
         for server in self._servers:
             server.close()
+        if self.cluster is not None:
+            await self.cluster.stop()  # the other nodes stop sending here at once
         for h in (self._sys_handle, self._timer, self._checkpoint_handle, self._sweep_handle):
             if h is not None:
                 h.cancel()
@@ -437,10 +454,11 @@ class Broker:
 
     def extra_sys_values(self):
         """More $SYS values from parts that plug in (commit log, cluster)."""
+        values = self.cluster.sys_values() if self.cluster is not None else {}
         store = self.store
         if store is None:
-            return {}
-        values = {
+            return values
+        values.update({
             "$SYS/broker/log/end_offset": store.next_offset,
             "$SYS/broker/log/start_offset": store.start_offset,
             "$SYS/broker/log/appended": store.appended,
@@ -452,7 +470,7 @@ class Broker:
             "$SYS/broker/log/sealed_syncs": store.sealed_syncs,
             "$SYS/broker/log/batches": store.batches,
             "$SYS/broker/log/writer_wakes": store.wakes,
-        }
+        })
         if store.log is not None:
             values["$SYS/broker/log/segments"] = len(store.log.segments)
             values["$SYS/broker/log/truncated_bytes"] = store.log.truncated_bytes

@@ -82,6 +82,20 @@ METRICS = (
      "Records removed by retention before every persistent session had read them."),
     ("$SYS/broker/log/truncated_bytes", "wrenmq_log_truncated_bytes", "gauge",
      "Bytes cut from the log's tail at start-up (a torn write from a crash)."),
+    ("$SYS/broker/cluster/nodes", "wrenmq_cluster_nodes", "gauge",
+     "Nodes in the cluster, this one included, as etcd last said."),
+    ("$SYS/broker/cluster/links_up", "wrenmq_cluster_links_up", "gauge",
+     "Other nodes this node's link to is connected."),
+    ("$SYS/broker/cluster/etcd/connected", "wrenmq_cluster_etcd_connected", "gauge",
+     "1 while the node's etcd session (lease, watch) is up."),
+    ("$SYS/broker/cluster/messages/forwarded", "wrenmq_cluster_forwarded_messages_total", "counter",
+     "Messages written to other nodes' links (once per node)."),
+    ("$SYS/broker/cluster/messages/received", "wrenmq_cluster_received_messages_total", "counter",
+     "Messages received from other nodes."),
+    ("$SYS/broker/cluster/messages/dropped", "wrenmq_cluster_dropped_messages_total", "counter",
+     "Messages for another node dropped: its link was down or full past [cluster] link_buffer."),
+    ("$SYS/broker/cluster/takeovers", "wrenmq_cluster_takeovers_total", "counter",
+     "Sessions ended here because their client connected to another node."),
 )
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -126,6 +126,7 @@ class Router:
         self.on_timer = None  # broker callback(deadline) when the earliest timer changes
         self.persist = None  # Persistence (commit log + state) when storage is on disk
         self.topic_log = None  # with it, the store's topic_log (the match cache's handle on a logged topic)
+        self.cluster = None  # cluster.node.Cluster when [cluster] is on: other nodes' interest, links
         self.maximum_qos = config.broker.maximum_qos
         self.retain_available = config.broker.retain_available
         self.max_queued = self.limits.max_queued_messages
@@ -268,6 +269,8 @@ class Router:
                 return None
             session = Session(cid)
             self.sessions[cid] = session
+        if self.cluster is not None:
+            self.cluster.client_connected(cid)
 
         now = self.clock()
         session.generation += 1
@@ -459,6 +462,8 @@ class Router:
         session.incoming_qos2 = session.restored_qos2 = frozenset()
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
+            if self.cluster is not None:
+                self.cluster.client_gone(session.client_id)
         if self.persist is not None:
             self.persist.session_ended(session)
         self.hooks.on_session_expired(session.client_id)
@@ -586,7 +591,8 @@ class Router:
                 hit = self._match(topic)
             logged = hit[2]
             if not (hit[0] or hit[1] or retain) and hooks.on_publish is None and (
-                    logged is None or not props and hit[3]):
+                    logged is None or not props and hit[3]) and (
+                    self.cluster is None or not self.cluster.wanted(topic)):
                 # Nobody receives it and it is not retained: no message to build. If the
                 # topic is recorded, the log gets the record straight from the packet.
                 if logged is not None:
@@ -748,6 +754,8 @@ class Router:
 
     def _add_subscription(self, session, sub):
         session.match_cache = None
+        if self.cluster is not None:
+            self.cluster.subscribed(sub.group, sub.filter)
         if sub.group is None:
             self.subs.insert(sub.filter, session.client_id, sub)
             return
@@ -759,6 +767,8 @@ class Router:
 
     def _remove_subscription(self, session, sub):
         session.match_cache = None
+        if self.cluster is not None:
+            self.cluster.unsubscribed(sub.group, sub.filter)
         if sub.group is None:
             self.subs.remove(sub.filter, session.client_id)
             return
@@ -810,7 +820,53 @@ class Router:
                 self.retained.set(msg.topic, msg)
                 if persist is not None:
                     persist.retained_changed(msg)
+        if self.cluster is not None:
+            return self.cluster.route(msg, hit)
         return self.route(msg, hit)
+
+    def receive_forwarded(self, msg, subscribers, retained, sync, groups):
+        """A message another node accepted (cluster link): deliver it here, never onwards.
+
+        `subscribers`: to the matching non-shared subscribers; `retained`: update the
+        retained store (a clear when empty); `sync`: a retained message sent when the
+        link came up, kept only if newer than the one held; `groups`: (share name,
+        filter) pairs chosen to deliver to one member here. Not recorded in this node's
+        log: the node that accepted it did (a persistent session here that is owed it
+        still gets it written, as `_deliver` does for any unrecorded message).
+        """
+        topic = msg.topic
+        persist = self.persist
+        if sync:
+            old = self.retained.get(topic)
+            if old is None or old.timestamp < msg.timestamp:
+                self.retained.set(topic, msg)
+                if persist is not None:
+                    persist.retained_changed(msg)
+            return False
+        if retained:
+            if not msg.payload:
+                self.retained.delete(topic)
+            else:
+                self.retained.set(topic, msg)
+            if persist is not None:
+                persist.retained_changed(msg)
+        hit = self._matches.get(topic)
+        if hit is None:
+            hit = self._match(topic)
+        normal = hit[0] if subscribers else ()
+        local = tuple(g for g in hit[1] if (g.name, g.filter) in groups) if groups else ()
+        return self.route(msg, (normal, local))
+
+    def moved_away(self, cid):
+        """Client `cid` connected to another node: its session here ends (a connection
+        is closed with 0x8E, session taken over). Sessions do not move between nodes."""
+        session = self.sessions.get(cid)
+        if session is None:
+            return
+        log.info("client %s connected to another node: its session here ends", cid)
+        if session.conn is not None:
+            self._take_over(session, True)
+        self.end_session(session)  # the session ends: a will still pending is published
 
     def _over_retained_limits(self, msg):
         """True (counted, logged at most once a second) if retaining a client's `msg` would

@@ -1,9 +1,12 @@
-"""Several nodes as one broker through etcd: not built yet.
+"""Several nodes as one broker through etcd ([cluster], docs/CLUSTER.md).
 
-This package is where the cluster layer goes: node membership and leases in etcd, the
-subscription interest of each node, forwarding of PUBLISH between nodes, session
-takeover across nodes, retained messages and shared groups kept exact cluster-wide.
-Nothing imports it today; a broker is one process on one node. `[broker] workers` (the
-event loop's work on more than one core) waits for this layer, because the same
-guarantees are needed across processes (docs/BENCHMARKS.md, "Multi-core").
+- `interest.py`: who wants what (sans-IO): this node's filters, counted, and the
+  other nodes' filters in a trie;
+- `frames.py`: the node-to-node link's format (sans-IO);
+- `node.py`: the I/O edge: the etcd lease, keys and watch, the links, and what the
+  router calls (`route`, `subscribed`, `client_connected`, ...).
 """
+
+
+class ClusterError(RuntimeError):
+    """The node cannot join: etcd unreachable, its name taken by a live node, no etcd client."""

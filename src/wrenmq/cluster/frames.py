@@ -1,0 +1,117 @@
+"""The node-to-node link's wire format: sans-IO, bytes in and frames out.
+
+A link carries frames `u32 length | u8 kind | body` (the length counts kind and
+body). The first frame each way is HELLO (JSON: cluster, node, secret). A message
+travels as FORWARD: a small binary header (what the receiver does with it, the
+publisher's client id and arrival time, the shared groups it is for) followed by
+the message as an MQTT 5 PUBLISH, so properties, QoS, retain and the remaining
+expiry use the codec every client connection already uses.
+"""
+
+import json
+import struct
+
+from ..mqtt import constants as C
+from ..mqtt.codec import MQTTError, decode
+
+HELLO = 1
+FORWARD = 2
+
+# FORWARD flags: what the receiving node does with the message.
+TO_SUBSCRIBERS = 1  # deliver to its (non-shared) subscribers that match
+SET_RETAINED = 2  # a retained message (or a clear): update the retained store
+SYNC = 4  # a retained message sent when the link came up: keep it only if newer
+
+_FRAME = struct.Struct(">IB")
+_FORWARD = struct.Struct(">BdH")
+_U16 = struct.Struct(">H")
+
+
+class FrameError(ValueError):
+    """A peer sent something that is not a frame of this format: close that link."""
+
+
+def encode_hello(cluster, node, secret):
+    body = json.dumps({"cluster": cluster, "node": node, "secret": secret}).encode()
+    return _FRAME.pack(len(body) + 1, HELLO) + body
+
+
+def decode_hello(body):
+    try:
+        hello = json.loads(bytes(body))
+        return str(hello["cluster"]), str(hello["node"]), str(hello.get("secret", ""))
+    except (ValueError, KeyError, TypeError) as e:
+        raise FrameError(f"malformed HELLO: {e}") from None
+
+
+def encode_forward(publish, flags, client_id, timestamp, groups=()):
+    """FORWARD frame around `publish` (the message's MQTT 5 PUBLISH bytes).
+
+    `groups`: (share name, filter) pairs the receiver gives the message to one member of.
+    """
+    cid = client_id.encode()
+    parts = [b"", _FORWARD.pack(flags, timestamp, len(cid)), cid, _U16.pack(len(groups))]
+    for name, flt in groups:
+        g = f"{name}\x00{flt}".encode()
+        parts.append(_U16.pack(len(g)))
+        parts.append(g)
+    parts.append(publish)
+    n = sum(map(len, parts)) + 1
+    parts[0] = _FRAME.pack(n, FORWARD)
+    return b"".join(parts)
+
+
+def decode_forward(body):
+    """(flags, client id, timestamp, groups, Publish) of a FORWARD body."""
+    try:
+        flags, ts, n = _FORWARD.unpack_from(body, 0)
+        pos = _FORWARD.size
+        cid = bytes(body[pos:pos + n]).decode()
+        pos += n
+        (count,) = _U16.unpack_from(body, pos)
+        pos += 2
+        groups = []
+        for _ in range(count):
+            (n,) = _U16.unpack_from(body, pos)
+            pos += 2
+            name, _, flt = bytes(body[pos:pos + n]).decode().partition("\x00")
+            groups.append((name, flt))
+            pos += n
+        pkt = decode(bytes(body[pos:]), C.MQTT5)
+    except (struct.error, UnicodeDecodeError, MQTTError) as e:
+        raise FrameError(f"malformed FORWARD: {e}") from None
+    if pkt is None or pkt.TYPE != C.PUBLISH:
+        raise FrameError("FORWARD does not hold one PUBLISH")
+    return flags, cid, ts, groups, pkt
+
+
+class FrameReader:
+    """Cuts a byte stream into (kind, body) frames; bounded by `max_frame`."""
+
+    __slots__ = ("max_frame", "_buf")
+
+    def __init__(self, max_frame):
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    def feed(self, data):
+        buf = self._buf
+        buf += data
+        out = []
+        pos = 0
+        end = len(buf)
+        while end - pos >= 5:
+            n, kind = _FRAME.unpack_from(buf, pos)
+            if n < 1 or n > self.max_frame:
+                raise FrameError(f"frame of {n} bytes (at most {self.max_frame})")
+            if end - pos - 4 < n:
+                break
+            out.append((kind, bytes(buf[pos + 5:pos + 4 + n])))
+            pos += 4 + n
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def buffered(self):
+        return len(self._buf)

@@ -1,0 +1,643 @@
+"""One node of a cluster: its etcd registration and its links to the other nodes.
+
+This is the cluster layer's I/O edge (asyncio, the etcd client, sockets); what it
+decides with is sans-IO: interest.py (who wants what) and frames.py (the link).
+
+In etcd, under `/wrenmq/<cluster name>/`, every key of a node hangs on that node's
+lease, so a node that dies leaves the cluster when its lease runs out:
+
+    nodes/<node>                     {"link": "host:port"}: where its link listens
+    routes/<node>/n/<filter>         it has subscribers to <filter>
+    routes/<node>/s/<share>/<filter> it has members of $share/<share>/<filter>
+    clients/<client id>              <node>: the client's last connection is there
+
+Every node watches the prefix. A PUBLISH accepted on one node is written to each
+node with a matching filter over a link (one TCP connection per direction), once
+per node; a retained message (or a clear) goes to every node, and a link that comes
+up first sends the retained messages its node holds. A shared group gets each
+message once across the cluster: the accepting node picks one node among those
+with members, round robin. A client that connects to a node ends its session on
+any other node (a live connection there is closed with 0x8E, session taken over).
+"""
+
+import asyncio
+import json
+import logging
+import socket
+import time
+
+from ..broker.message import Message, message_properties
+from . import ClusterError
+from . import frames as F
+from .interest import CLIENTS, NODES, ROUTES, LocalInterest, RemoteInterest, SharedPicker, parse_route_key, route_key
+
+log = logging.getLogger("wrenmq.cluster")
+
+_TXN_OPS = 100  # etcd's default --max-txn-ops is 128
+_RETRY = (0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class Peer:
+    """Another node and this node's outgoing link to it."""
+
+    __slots__ = ("name", "address", "link", "queue", "queued", "task", "dropped", "sent", "up")
+
+    def __init__(self, name, address):
+        self.name = name
+        self.address = address
+        self.link = None  # _OutLink once connected
+        self.queue = []  # frames waiting for the link to come up
+        self.queued = 0
+        self.task = None  # the connecting task
+        self.dropped = 0
+        self.sent = 0
+        self.up = False
+
+
+class _OutLink(asyncio.Protocol):
+    """This node's frames to one peer; the peer sends nothing back."""
+
+    def __init__(self, cluster, peer):
+        self.cluster = cluster
+        self.peer = peer
+        self.transport = None
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data):
+        pass
+
+    def connection_lost(self, exc):
+        if not self.closed.done():
+            self.closed.set_result(exc)
+        self.cluster._link_lost(self.peer, self, exc)
+
+
+class _InLink(asyncio.Protocol):
+    """Frames from one peer: a HELLO that names it, then messages."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.reader = F.FrameReader(cluster.max_frame)
+        self.peer = None
+        self.transport = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self.cluster.inlinks.add(self)
+
+    def data_received(self, data):
+        cluster = self.cluster
+        try:
+            for kind, body in self.reader.feed(data):
+                if kind == F.FORWARD and self.peer is not None:
+                    cluster._received(body)
+                elif kind == F.HELLO and self.peer is None:
+                    self.peer = cluster._hello(body)
+                else:
+                    raise F.FrameError(f"unexpected frame kind {kind}")
+        except F.FrameError as e:
+            log.warning("closing the link from %s: %s", self.peer or self.transport.get_extra_info("peername"), e)
+            self.transport.abort()
+
+    def connection_lost(self, exc):
+        self.cluster.inlinks.discard(self)
+
+
+class Cluster:
+    def __init__(self, broker, cfg):
+        self.broker = broker
+        self.router = broker.router
+        self.cfg = cfg
+        self.name = cfg.name
+        self.prefix = f"/wrenmq/{cfg.name}/"
+        self.node = cfg.node
+        self.secret = cfg.secret
+        self.max_frame = broker.config.limits.max_packet_size + 65536
+        self.link_buffer = cfg.link_buffer
+        self.local = LocalInterest()
+        self.remote = RemoteInterest()
+        self.picker = SharedPicker()
+        self.peers = {}  # node name -> Peer
+        self.inlinks = set()
+        self.server = None
+        self.advertise = None
+        self.etcd = None
+        self.lease = None
+        self.loop = None
+        self._pending = {}  # etcd key -> value to put, or None to delete
+        self._pending_clients = set()  # client ids whose registration is in _pending or in flight
+        self._owned = {}  # client id -> revision of this node's registration
+        self._foreign = {}  # client id -> newest revision of another node's, seen while ours was in flight
+        self._flushing = None
+        self._wake = None
+        self._main = None
+        self._stopping = False
+        self.forwarded = 0
+        self.received = 0
+        self.dropped = 0
+        self.takeovers = 0
+        self.etcd_up = False
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def start(self):
+        """Listen for links, join through etcd; raises ClusterError if that fails."""
+        try:
+            import aetcd
+        except ImportError:
+            raise ClusterError("[cluster] enabled needs the etcd client: pip install 'wrenmq[cluster]'") from None
+
+        self.loop = asyncio.get_running_loop()
+        cfg = self.cfg
+        self.server = await self.loop.create_server(lambda: _InLink(self), cfg.bind, cfg.port)
+        port = self.server.sockets[0].getsockname()[1]
+        self.advertise = cfg.advertise or f"{cfg.bind}:{port}"
+        if not self.node:
+            listen_port = self.broker.config.listener[0].port
+            self.node = f"{socket.gethostname()}-{listen_port or port}"
+        last = None
+        for endpoint in cfg.etcd:
+            host, _, eport = endpoint.rpartition(":")
+            client = aetcd.Client(host=host or "127.0.0.1", port=int(eport), timeout=cfg.etcd_timeout,
+                                  connect_wait_timeout=max(1, int(cfg.etcd_timeout)))
+            try:
+                await client.connect()
+                await client.status()
+                self.etcd = client
+                self.endpoint = endpoint
+                break
+            except Exception as e:  # any failure: try the next endpoint
+                last = e
+                await client.close()
+        if self.etcd is None:
+            self.server.close()
+            raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)} ([cluster] etcd): {last}")
+        try:
+            await self._register()
+        except BaseException:
+            self.server.close()
+            await self.etcd.close()
+            raise
+        self._wake = asyncio.Event()
+        self._main = self.loop.create_task(self._run())
+        log.info("cluster %s: node %s joined through etcd %s; links on %s; %d other node(s)",
+                 self.name, self.node, self.endpoint, self.advertise, len(self.peers))
+
+    async def stop(self):
+        """Leave at once (revoke the lease: the others drop this node's keys now)."""
+        self._stopping = True
+        self.router.cluster = None
+        if self._main is not None:
+            self._main.cancel()
+        if self._flushing is not None:
+            self._flushing.cancel()
+        for peer in self.peers.values():
+            self._close_peer(peer)
+        for link in list(self.inlinks):
+            link.transport.abort()
+        if self.server is not None:
+            self.server.close()
+        if self.etcd is not None:
+            try:
+                if self.lease is not None:
+                    await asyncio.wait_for(self.lease.revoke(), self.cfg.etcd_timeout)
+            except Exception as e:
+                log.warning("cluster: could not revoke the lease on leaving (%s); the node's keys "
+                            "go when it runs out", e)
+            await self.etcd.close()
+
+    async def _register(self):
+        """Take a lease, claim the node name, publish interest and clients, read the rest."""
+        etcd = self.etcd
+        self.lease = await etcd.lease(self.cfg.lease_ttl)
+        key = f"{self.prefix}{NODES}{self.node}".encode()
+        tx = etcd.transactions
+        ok, _ = await etcd.transaction(
+            compare=[tx.create(key) == 0],
+            success=[tx.put(key, json.dumps({"link": self.advertise}).encode(), lease=self.lease)],
+            failure=[])
+        if not ok:
+            await self.lease.revoke()
+            self.lease = None
+            raise ClusterError(f"node name {self.node!r} is already taken in cluster {self.name!r} "
+                               f"(a live node holds it; set [cluster] node)")
+        # This node's interest and clients as they are now; from here on the router
+        # reports changes (router.cluster is set in the same step: nothing is missed).
+        router = self.router
+        local = self.local = LocalInterest()
+        self._pending.clear()
+        self._owned.clear()
+        self._pending_clients.clear()
+        for cid, session in router.sessions.items():
+            for sub in session.subscriptions.values():
+                if local.add(sub.group, sub.filter):
+                    self._pending[route_key(self.prefix, self.node, sub.group, sub.filter)] = b""
+            self._register_client(cid)
+        router.cluster = self
+        await self._flush_pending()
+        await self._resync()
+
+    async def _resync(self):
+        """Read every key of the cluster: the other nodes, their interest; return the revision."""
+        got = await self.etcd.get_prefix(self.prefix.encode())
+        self.remote.clear()
+        seen = set()
+        for kv in got:
+            name = self._apply(kv.key, kv.value, kv.mod_revision, True)
+            if name:
+                seen.add(name)
+        for name in list(self.peers):
+            if name not in seen:
+                self._drop_peer(name)
+        self.revision = got.header.revision
+        self.etcd_up = True
+
+    # --- the etcd session: keepalive, watch, reconnect --------------------------
+
+    async def _run(self):
+        attempt = 0
+        while not self._stopping:
+            try:
+                await self._watch_and_keep_alive()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.etcd_up = False
+                delay = _RETRY[min(attempt, len(_RETRY) - 1)]
+                attempt += 1
+                log.warning("cluster: etcd session lost (%s: %s); routing with what is known, "
+                            "retrying in %.1f s", type(e).__name__, e, delay)
+                await asyncio.sleep(delay)
+                try:
+                    alive = self.lease is not None and (await self.lease.remaining_ttl()) > 0
+                    if alive:
+                        await self._flush_pending()
+                        await self._resync()
+                    else:
+                        log.warning("cluster: this node's lease ran out; joining again")
+                        await self._register()
+                    attempt = 0
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e2:
+                    log.warning("cluster: rejoining failed (%s: %s)", type(e2).__name__, e2)
+                    continue
+
+    async def _watch_and_keep_alive(self):
+        watch = await self.etcd.watch_prefix(self.prefix.encode(), start_revision=self.revision + 1)
+        keepalive = self.loop.create_task(self._keep_alive())
+        try:
+            events = watch.__aiter__()
+            while True:
+                nxt = asyncio.ensure_future(events.__anext__())
+                done, _ = await asyncio.wait((nxt, keepalive), return_when=asyncio.FIRST_COMPLETED)
+                if keepalive in done:
+                    nxt.cancel()
+                    keepalive.result()  # raises what stopped it
+                    raise ConnectionError("keepalive stopped")
+                ev = nxt.result()
+                kv = ev.kv
+                self.revision = kv.mod_revision
+                self._apply(kv.key, kv.value if ev.kind == "PUT" else None, kv.mod_revision, False)
+        finally:
+            keepalive.cancel()
+            try:
+                await watch.cancel()
+            except Exception:
+                pass
+
+    async def _keep_alive(self):
+        period = max(0.5, self.cfg.lease_ttl / 3)
+        while True:
+            await asyncio.sleep(period)
+            reply = await self.lease.refresh()
+            ttl = getattr(reply[0] if isinstance(reply, list) and reply else reply, "TTL", 1)
+            if ttl <= 0:
+                raise ConnectionError("lease expired")
+
+    # --- what etcd says ------------------------------------------------------------
+
+    def _apply(self, key, value, revision, initial):
+        """One key of the cluster prefix was put (`value`) or deleted (None).
+        Returns the node name when the key is a node's registration."""
+        rest = key.decode("utf-8", "replace")[len(self.prefix):]
+        if rest.startswith(NODES):
+            name = rest[len(NODES):]
+            if name == self.node:
+                if value is None and not self._stopping and not initial:
+                    log.warning("cluster: etcd dropped this node's registration")
+                    raise ConnectionError("registration lost")
+                return name
+            if value is None:
+                self._drop_peer(name)
+                return None
+            try:
+                address = json.loads(value)["link"]
+            except (ValueError, KeyError, TypeError):
+                log.warning("cluster: ignoring node %s with a malformed registration", name)
+                return None
+            self._add_peer(name, address)
+            return name
+        if rest.startswith(ROUTES):
+            parsed = parse_route_key(rest[len(ROUTES):])
+            if parsed is None or parsed[0] == self.node:
+                return None
+            node, group, flt = parsed
+            if value is None:
+                self.remote.remove(node, group, flt)
+            else:
+                self.remote.add(node, group, flt)
+            return None
+        if rest.startswith(CLIENTS) and value is not None:
+            cid = rest[len(CLIENTS):]
+            if value.decode("utf-8", "replace") != self.node:
+                self._client_elsewhere(cid, revision)
+        return None
+
+    def _client_elsewhere(self, cid, revision):
+        if cid in self._pending_clients:
+            if revision > self._foreign.get(cid, 0):
+                self._foreign[cid] = revision
+            return
+        mine = self._owned.get(cid)
+        if mine is not None and revision < mine:
+            return
+        self._owned.pop(cid, None)
+        if cid in self.router.sessions:
+            self.takeovers += 1
+            self.router.moved_away(cid)
+
+    # --- what the router tells ----------------------------------------------------
+
+    def subscribed(self, group, flt):
+        if self.local.add(group, flt):
+            self._pending[route_key(self.prefix, self.node, group, flt)] = b""
+            self._kick()
+
+    def unsubscribed(self, group, flt):
+        if self.local.remove(group, flt):
+            self._pending[route_key(self.prefix, self.node, group, flt)] = None
+            self._kick()
+
+    def _register_client(self, cid):
+        self._pending[f"{self.prefix}{CLIENTS}{cid}".encode()] = self.node.encode()
+        self._pending_clients.add(cid)
+
+    def client_connected(self, cid):
+        self._register_client(cid)
+        self._kick()
+
+    def client_gone(self, cid):
+        if self._owned.pop(cid, None) is not None or cid in self._pending_clients:
+            self._pending[f"{self.prefix}{CLIENTS}{cid}".encode()] = None
+            self._kick()
+
+    def _kick(self):
+        if self._flushing is None and self.etcd_up and not self._stopping:
+            self._flushing = self.loop.create_task(self._flush_soon())
+
+    async def _flush_soon(self):
+        try:
+            await asyncio.sleep(0)  # the rest of this loop turn's changes go in the same request
+            await self._flush_pending()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("cluster: writing to etcd failed (%s: %s); retried when etcd is back",
+                        type(e).__name__, e)
+        finally:
+            self._flushing = None
+
+    async def _flush_pending(self):
+        """Write what changed, in transactions of at most _TXN_OPS keys."""
+        etcd = self.etcd
+        tx = etcd.transactions
+        client_keys = f"{self.prefix}{CLIENTS}".encode()
+        skip = len(client_keys)
+        while self._pending:
+            batch = []
+            for key in list(self._pending)[:_TXN_OPS]:
+                batch.append((key, self._pending.pop(key)))
+            ops = [tx.put(k, v, lease=self.lease) if v is not None else tx.delete(k) for k, v in batch]
+            try:
+                _, responses = await etcd.transaction(compare=[], success=ops, failure=[])
+            except BaseException:
+                for k, v in batch:  # a newer change to the same key wins
+                    self._pending.setdefault(k, v)
+                raise
+            revision = 0
+            for r in responses:
+                for field in ("response_put", "response_delete_range"):
+                    if r.HasField(field):
+                        revision = max(revision, getattr(r, field).header.revision)
+            for k, v in batch:
+                if k.startswith(client_keys):
+                    cid = k[skip:].decode()
+                    if self._pending.get(k, v) is not v:
+                        continue  # changed again meanwhile: that write decides
+                    self._pending_clients.discard(cid)
+                    foreign = self._foreign.pop(cid, 0)
+                    if v is None:
+                        continue
+                    self._owned[cid] = revision
+                    if foreign > revision:
+                        self._client_elsewhere(cid, foreign)
+
+    # --- links ----------------------------------------------------------------------
+
+    def _add_peer(self, name, address):
+        peer = self.peers.get(name)
+        if peer is not None:
+            if peer.address == address:
+                return
+            self._close_peer(peer)
+        peer = self.peers[name] = Peer(name, address)
+        peer.task = self.loop.create_task(self._connect(peer))
+
+    def _drop_peer(self, name):
+        peer = self.peers.pop(name, None)
+        if peer is not None:
+            self._close_peer(peer)
+            log.info("cluster: node %s left", name)
+        self.remote.drop_node(name)
+
+    def _close_peer(self, peer):
+        peer.up = False
+        if peer.task is not None:
+            peer.task.cancel()
+            peer.task = None
+        if peer.link is not None and peer.link.transport is not None:
+            peer.link.transport.close()
+        peer.link = None
+        peer.queue = []
+        peer.queued = 0
+
+    async def _connect(self, peer):
+        """Connect (and reconnect while the peer is registered) to `peer`'s link."""
+        host, _, port = peer.address.rpartition(":")
+        attempt = 0
+        while self.peers.get(peer.name) is peer:
+            try:
+                _, link = await self.loop.create_connection(lambda: _OutLink(self, peer), host, int(port))
+            except OSError as e:
+                delay = _RETRY[min(attempt, len(_RETRY) - 1)]
+                if attempt == 2:
+                    log.warning("cluster: cannot connect to node %s at %s (%s); retrying", peer.name,
+                                peer.address, e)
+                attempt += 1
+                await asyncio.sleep(delay)
+                continue
+            attempt = 0
+            peer.link = link
+            t = link.transport
+            t.write(F.encode_hello(self.name, self.node, self.secret))
+            self._send_retained(link)
+            if peer.queue:
+                t.writelines(peer.queue)
+                peer.queue = []
+                peer.queued = 0
+            peer.up = True
+            log.info("cluster: link to node %s (%s) up", peer.name, peer.address)
+            await link.closed
+            peer.up = False
+            peer.link = None
+            if self.peers.get(peer.name) is peer:
+                log.warning("cluster: link to node %s lost; reconnecting", peer.name)
+                await asyncio.sleep(_RETRY[0])
+
+    def _link_lost(self, peer, link, exc):
+        if peer.link is link:
+            peer.up = False
+
+    def _send_retained(self, link):
+        """The retained messages this node holds (not $SYS: each node has its own)."""
+        now = self.router.clock()
+        t = link.transport
+        for msg in self.router.retained.values():
+            if msg.topic.startswith("$SYS") or msg.expired(now):
+                continue
+            t.write(F.encode_forward(self._publish_bytes(msg, now), F.SYNC, msg.client_id, msg.timestamp))
+
+    def _hello(self, body):
+        cluster, node, secret = F.decode_hello(body)
+        if cluster != self.name or secret != self.secret:
+            raise F.FrameError(f"HELLO from node {node!r} of cluster {cluster!r}: wrong cluster or secret")
+        log.info("cluster: link from node %s up", node)
+        return node
+
+    # --- messages ----------------------------------------------------------------------
+
+    @staticmethod
+    def _publish_bytes(msg, now):
+        return msg.encode(True, msg.qos, msg.retain, 1 if msg.qos else 0, now=now)
+
+    def wanted(self, topic):
+        """True if another node has a filter (or a shared group) matching `topic`."""
+        if not self.peers or topic[:4] == "$SYS":
+            return False
+        nodes, shared = self.remote.match(topic)
+        return bool(nodes or shared)
+
+    def route(self, msg, hit):
+        """Router.publish with a cluster: deliver here what is for here, forward the rest.
+
+        True if anyone anywhere matched."""
+        topic = msg.topic
+        router = self.router
+        if topic[:4] == "$SYS" or not self.peers:
+            return router.route(msg, hit)
+        nodes, shared = self.remote.match(topic)
+        groups_for = None
+        if shared:
+            groups_for = {}
+            local_groups = hit[1]
+            keep = []
+            seen = set()
+            me = self.node
+            for g in local_groups:
+                key = (g.name, g.filter)
+                seen.add(key)
+                others = shared.get(key)
+                if others:
+                    choice = self.picker.pick(key, (me,) + others)
+                    if choice != me:
+                        groups_for.setdefault(choice, []).append(key)
+                        continue
+                keep.append(g)
+            for key, others in shared.items():
+                if key not in seen:
+                    groups_for.setdefault(self.picker.pick(key, others), []).append(key)
+            if len(keep) != len(local_groups):
+                hit = (hit[0], tuple(keep))
+        delivered = router.route(msg, hit)
+        retain = msg.retain
+        if not nodes and not groups_for and not retain:
+            return delivered
+        now = router.clock()
+        if msg.expired(now):
+            return delivered
+        body = self._publish_bytes(msg, now)
+        peers = self.peers
+        targets = peers if retain else (nodes | groups_for.keys() if groups_for else nodes)
+        for name in targets:
+            peer = peers.get(name)
+            if peer is None:
+                continue
+            groups = groups_for.get(name, ()) if groups_for else ()
+            to_subs = name in nodes
+            flags = (F.TO_SUBSCRIBERS if to_subs else 0) | (F.SET_RETAINED if retain else 0)
+            self._send(peer, F.encode_forward(body, flags, msg.client_id, msg.timestamp, groups))
+            if to_subs or groups:
+                delivered = True
+        return delivered
+
+    def _send(self, peer, frame):
+        link = peer.link
+        if peer.up and link is not None:
+            t = link.transport
+            if t.get_write_buffer_size() < self.link_buffer:
+                t.write(frame)
+                peer.sent += 1
+                self.forwarded += 1
+                return
+        elif peer.queued < self.link_buffer:
+            peer.queue.append(frame)
+            peer.queued += len(frame)
+            self.forwarded += 1
+            return
+        peer.dropped += 1
+        self.dropped += 1
+        if peer.dropped & (peer.dropped - 1) == 0:  # 1, 2, 4, 8...: a flood is a few lines
+            log.warning("cluster: link to node %s is %s; %d message(s) for it dropped so far", peer.name,
+                        "full" if peer.up else "down", peer.dropped)
+
+    def _received(self, body):
+        flags, cid, ts, groups, pkt = F.decode_forward(body)
+        router = self.router
+        props = message_properties(pkt.properties) if pkt.properties else {}
+        interval = props.get("message_expiry_interval")
+        expiry = router.clock() + interval if interval is not None else None
+        payload = pkt.payload
+        if payload.__class__ is not bytes:
+            payload = bytes(payload)
+        msg = Message(pkt.topic, payload, pkt.qos, pkt.retain, props, expiry, cid, None, None, False, ts)
+        self.received += 1
+        router.receive_forwarded(msg, flags & F.TO_SUBSCRIBERS, flags & F.SET_RETAINED, flags & F.SYNC,
+                                 frozenset(groups) if groups else ())
+
+    # --- figures ----------------------------------------------------------------------
+
+    def sys_values(self):
+        return {
+            "$SYS/broker/cluster/node": self.node,
+            "$SYS/broker/cluster/nodes": 1 + len(self.peers),
+            "$SYS/broker/cluster/links_up": sum(1 for p in self.peers.values() if p.up),
+            "$SYS/broker/cluster/etcd/connected": int(self.etcd_up),
+            "$SYS/broker/cluster/messages/forwarded": self.forwarded,
+            "$SYS/broker/cluster/messages/received": self.received,
+            "$SYS/broker/cluster/messages/dropped": self.dropped,
+            "$SYS/broker/cluster/takeovers": self.takeovers,
+        }

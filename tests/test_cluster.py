@@ -1,0 +1,517 @@
+"""Several `wrenmq serve` nodes as one broker through a real etcd, with real clients.
+
+Each test runs its own cluster (a unique [cluster] name) against one etcd server for
+the module (Debian's etcd-server, installed by `make test`); tests that stop etcd
+start their own.
+"""
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import WRENMQ, ServedBroker, free_port, paho_client
+from mqtt_helpers import drain, pprops, publish, sub, uid, wait_for
+from wrenmq.cluster import frames as F
+from wrenmq.cluster.interest import LocalInterest, RemoteInterest, parse_route_key, route_key
+from wrenmq.mqtt import constants as C
+from wrenmq.mqtt.codec import encode
+from wrenmq.mqtt.packets import Publish
+
+ETCD = shutil.which("etcd")
+ETCDCTL = shutil.which("etcdctl")
+
+
+class Etcd:
+    """A single-member etcd server on free loopback ports."""
+
+    def __init__(self, tmp):
+        self.port = free_port()
+        self.peer = free_port()
+        self.dir = tmp
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.log = open(tmp / "etcd.log", "ab")
+        self.proc = None
+        self.start()
+
+    def start(self):
+        assert ETCD, "etcd is not installed (make test installs Debian's etcd-server)"
+        self.proc = subprocess.Popen(
+            [ETCD, "--data-dir", str(self.dir / "data"), "--name", "t",
+             "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
+             "--listen-peer-urls", f"http://127.0.0.1:{self.peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer}",
+             "--initial-cluster", f"t=http://127.0.0.1:{self.peer}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        ok = wait_for(lambda: self.ctl("endpoint", "health", check=False).returncode == 0, timeout=20, interval=0.1)
+        assert ok, "etcd did not become healthy"
+
+    def ctl(self, *args, check=True):
+        return subprocess.run([ETCDCTL, "--endpoints", self.endpoint, *args], capture_output=True, text=True,
+                              check=check, env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"})
+
+    def keys(self, prefix):
+        return self.ctl("get", "--prefix", "--keys-only", prefix).stdout.split()
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    e = Etcd(tmp_path_factory.mktemp("etcd"))
+    yield e
+    e.stop()
+    e.log.close()
+
+
+class Cluster:
+    """Nodes of one cluster (`wrenmq serve` processes) and their clients."""
+
+    def __init__(self, tmp_path, etcd, **cluster):
+        self.tmp = tmp_path
+        self.etcd = etcd
+        self.name = uid("cl")
+        self.extra = cluster
+        self.nodes = {}
+        self.clients = []
+        self.extra_listeners = ""  # for the first node started only
+
+    def config(self, name, link_port, **over):
+        c = {"enabled": True, "name": self.name, "node": name, "etcd": [self.etcd.endpoint],
+             "port": link_port, "lease_ttl": 3, **self.extra, **over}
+        body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in c.items())
+        listeners, self.extra_listeners = self.extra_listeners, ""
+        return f"{listeners}[storage]\nmode = \"memory\"\n[sys]\ninterval = 0.3\n[cluster]\n{body}\n"
+
+    def start(self, name, **over):
+        node = ServedBroker(self.tmp, self.config(name, free_port(), **over))
+        self.nodes[name] = node
+        return node
+
+    def client(self, name, **kw):
+        c = paho_client(self.nodes[name].port, **kw)
+        self.clients.append(c)
+        return c
+
+    def close(self):
+        for c in self.clients:
+            try:
+                c.disconnect()
+            except Exception:
+                pass
+            c.loop_stop()
+        for node in self.nodes.values():
+            if node.proc.poll() is None:
+                node.proc.kill()
+                node.proc.wait(10)
+
+
+@pytest.fixture
+def cluster(tmp_path, etcd):
+    made = []
+
+    def factory(**kw):
+        c = Cluster(tmp_path, etcd, **kw)
+        made.append(c)
+        return c
+
+    yield factory
+    for c in made:
+        c.close()
+
+
+def await_route(publisher, subscriber, topic):
+    """Publish probes on `topic` until `subscriber` receives one: the subscription has
+    reached the publisher's node. Drains the probes."""
+    def probe():
+        publisher.publish(topic, b"probe")
+        time.sleep(0.05)
+        return any(m.payload == b"probe" for m in drain(subscriber))
+    assert wait_for(probe, timeout=10, interval=0.05), f"subscription to {topic} never reached the other node"
+    time.sleep(0.2)
+    drain(subscriber)
+
+
+def sys_value(client_factory, topic):
+    c = client_factory()
+    sub(c, topic)
+    msgs = [m for m in drain(c, 0.8) if m.topic == topic]
+    return msgs[-1].payload.decode() if msgs else None
+
+
+# --- across nodes ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_publish_reaches_subscribers_on_other_nodes(cluster, version):
+    cl = cluster()
+    for n in "abc":
+        cl.start(n)
+    s_a = cl.client("a", version=version)
+    s_c = cl.client("c", version=version)
+    pub = cl.client("b", version=version)
+    assert sub(s_a, "x/#", 2) == [2]
+    assert sub(s_c, "x/+/t", 1) == [1]
+    await_route(pub, s_a, "x/probe/t")
+    drain(s_c)
+    await_route(pub, s_c, "x/probe/t")
+    drain(s_a)
+    for qos in (0, 1, 2):
+        publish(pub, f"x/{qos}/t", f"m{qos}".encode(), qos)
+    publish(pub, "x/only-a", b"a", 1)
+    got_a = sorted((m.topic, m.payload, m.qos) for m in drain(s_a, 1.0))
+    got_c = sorted((m.topic, m.payload, m.qos) for m in drain(s_c))
+    assert got_a == [("x/0/t", b"m0", 0), ("x/1/t", b"m1", 1), ("x/2/t", b"m2", 2), ("x/only-a", b"a", 1)]
+    assert got_c == [("x/0/t", b"m0", 0), ("x/1/t", b"m1", 1), ("x/2/t", b"m2", 1)]
+
+
+def test_properties_and_expiry_cross_nodes(cluster):
+    cl = cluster()
+    cl.start("a")
+    cl.start("b")
+    s = cl.client("a")
+    pub = cl.client("b")
+    sub(s, "p/#", 1)
+    await_route(pub, s, "p/probe")
+    props = pprops(ContentType="text/plain", ResponseTopic="r/1", CorrelationData=b"c1",
+                   UserProperty=[("k", "v"), ("k", "w")], MessageExpiryInterval=60)
+    publish(pub, "p/1", b"with-props", 1, properties=props)
+    (m,) = drain(s, 1.0)
+    p = m.properties
+    assert (m.topic, m.payload) == ("p/1", b"with-props")
+    assert p.ContentType == "text/plain" and p.ResponseTopic == "r/1" and p.CorrelationData == b"c1"
+    assert p.UserProperty == [("k", "v"), ("k", "w")]
+    assert 58 <= p.MessageExpiryInterval <= 60
+
+
+def test_unsubscribe_stops_forwarding(cluster):
+    cl = cluster()
+    cl.start("a")
+    cl.start("b")
+    s = cl.client("a")
+    other = cl.client("a")
+    pub = cl.client("b")
+    sub(s, "u/t")
+    sub(other, "u/keep")
+    await_route(pub, s, "u/t")
+    s.unsubscribe("u/t")
+    # Gone from etcd once the last subscriber to the filter on node a is gone.
+    assert wait_for(lambda: not any(k.endswith("/n/u/t") for k in cl.etcd.keys(f"/wrenmq/{cl.name}/routes/")))
+    await_route(pub, other, "u/keep")  # the unsubscribe has reached node b by now
+    publish(pub, "u/t", b"late", 1)
+    assert drain(s, 0.5) == []
+
+
+def test_forwarded_once_per_node_whatever_the_subscriber_count(cluster, etcd):
+    cl = cluster()
+    cl.start("a")
+    cl.start("b")
+    subs = [cl.client("a") for _ in range(5)]
+    for s in subs:
+        sub(s, "f/#")
+    pub = cl.client("b")
+    await_route(pub, subs[0], "f/probe")
+    for s in subs:
+        drain(s)
+    keys = [k for k in etcd.keys(f"/wrenmq/{cl.name}/routes/a/") if k.endswith("f/#")]
+    assert len(keys) == 1  # five subscribers, one key
+    before = int(sys_value(lambda: cl.client("b"), "$SYS/broker/cluster/messages/forwarded"))
+    for i in range(20):
+        publish(pub, "f/x", str(i).encode(), 1)
+    for s in subs:
+        assert [m.payload for m in drain(s, 0.5)] == [str(i).encode() for i in range(20)]
+    after = int(wait_for(lambda: (v := sys_value(lambda: cl.client("b"), "$SYS/broker/cluster/messages/forwarded"))
+                         and int(v) >= before + 20 and v))
+    assert after - before < 30  # one frame per message for node a (the $SYS probes aside), not five
+
+
+# --- retained ---------------------------------------------------------------------------------
+
+def test_retained_everywhere_and_for_a_node_that_joins_later(cluster):
+    cl = cluster()
+    cl.start("a")
+    cl.start("b")
+    pub = cl.client("a")
+    publish(pub, "r/1", b"one", 1, retain=True)
+    publish(pub, "r/2", b"two", 1, retain=True)
+
+    def retained_on(node, flt, n):
+        c = cl.client(node)
+        sub(c, flt, 1)
+        return sorted((m.topic, m.payload, m.retain) for m in drain(c, 0.6))
+
+    assert wait_for(lambda: retained_on("b", "r/#", 2) == [("r/1", b"one", 1), ("r/2", b"two", 1)])
+    cl.start("c")  # joins after: the links that come up send what their node retains
+    assert wait_for(lambda: retained_on("c", "r/#", 2) == [("r/1", b"one", 1), ("r/2", b"two", 1)])
+    publish(cl.client("b"), "r/1", b"", 1, retain=True)  # a clear on another node
+    assert wait_for(lambda: retained_on("c", "r/#", 1) == [("r/2", b"two", 1)])
+    assert wait_for(lambda: retained_on("a", "r/#", 1) == [("r/2", b"two", 1)])
+
+
+# --- shared subscriptions ---------------------------------------------------------------------
+
+def test_shared_group_gets_each_message_once_across_nodes(cluster):
+    cl = cluster()
+    for n in "abc":
+        cl.start(n)
+    m_a = cl.client("a")
+    m_b = cl.client("b")
+    plain_a = cl.client("a")
+    plain_b = cl.client("b")
+    sub(m_a, "$share/g/s/#", 1)
+    sub(m_b, "$share/g/s/#", 1)
+    sub(plain_a, "s/#", 1)  # subscribed after the members: once these reach node c, so have they
+    sub(plain_b, "s/#", 1)
+    pub = cl.client("c")
+    await_route(pub, plain_a, "s/probe")
+    await_route(pub, plain_b, "s/probe")
+    for c in (m_a, m_b, plain_a):
+        drain(c)
+    n = 40
+    for i in range(n):
+        publish(pub, f"s/{i}", str(i).encode(), 1)
+    a = [int(m.payload) for m in drain(m_a, 1.0)]
+    b = [int(m.payload) for m in drain(m_b)]
+    assert sorted(a + b) == list(range(n))  # each once, none lost
+    assert a and b  # both nodes' members take turns
+    assert len(drain(plain_a)) == n and len(drain(plain_b)) == n
+
+
+# --- sessions ---------------------------------------------------------------------------------
+
+def test_client_moving_to_another_node_ends_its_session_there(cluster):
+    cl = cluster()
+    cl.start("a")
+    cl.start("b")
+    cid = uid("dev")
+    first = cl.client("a", client_id=cid, clean=False, properties={"SessionExpiryInterval": 300})
+    first._reconnect_on_failure = False
+    sub(first, "d/#", 1)
+    second = cl.client("b", client_id=cid, clean=False, properties={"SessionExpiryInterval": 300})
+    assert second.connack[1].session_present is False  # sessions do not move between nodes
+    assert first.disconnected_event.wait(5)
+    assert first.disconnect_reason == C.SESSION_TAKEN_OVER
+    # Node a no longer holds the session: its subscription is gone from the cluster.
+    assert wait_for(lambda: not any(k.endswith("/n/d/#") for k in cl.etcd.keys(f"/wrenmq/{cl.name}/routes/a/")))
+    assert wait_for(lambda: sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/takeovers") == "1")
+
+
+def test_will_of_a_client_taken_over_from_another_node(cluster):
+    cl = cluster()
+    cl.start("a")
+    cl.start("b")
+    watcher = cl.client("b")
+    sub(watcher, "will/#", 1)
+    probe = cl.client("a")
+    await_route(probe, watcher, "will/probe")
+    cid = uid("dev")
+    first = cl.client("a", version=4, client_id=cid,
+                      will={"topic": "will/dev", "payload": b"gone", "qos": 1})
+    first._reconnect_on_failure = False
+    cl.client("b", version=4, client_id=cid)
+    assert wait_for(lambda: first.disconnected_event.is_set())
+    assert [(m.topic, m.payload) for m in drain(watcher, 1.0)] == [("will/dev", b"gone")]
+
+
+# --- membership ---------------------------------------------------------------------------------
+
+def test_node_killed_leaves_when_its_lease_runs_out_and_can_rejoin(cluster, etcd):
+    cl = cluster()
+    a = cl.start("a")
+    cl.start("b")
+    watcher = lambda: cl.client("b")
+    assert wait_for(lambda: sys_value(watcher, "$SYS/broker/cluster/nodes") == "2", timeout=10)
+    s = cl.client("a")
+    sub(s, "k/#")
+    assert wait_for(lambda: any("/routes/a/" in k for k in etcd.keys(f"/wrenmq/{cl.name}/")))
+    a.kill()
+    # lease_ttl = 3: node a's keys (registration, routes) go, node b counts one node.
+    assert wait_for(lambda: not etcd.keys(f"/wrenmq/{cl.name}/nodes/a")
+                    and not etcd.keys(f"/wrenmq/{cl.name}/routes/a/"), timeout=15)
+    assert wait_for(lambda: sys_value(watcher, "$SYS/broker/cluster/nodes") == "1", timeout=5)
+    pub = cl.client("b")
+    publish(pub, "k/1", b"x", 1)  # nobody to forward to: node b goes on alone
+    a.start()  # same name, lease gone: it joins again
+    s2 = paho_client(a.port)
+    cl.clients.append(s2)
+    sub(s2, "k/#")
+    await_route(pub, s2, "k/2")
+    assert wait_for(lambda: sys_value(watcher, "$SYS/broker/cluster/nodes") == "2")
+
+
+def test_a_live_nodes_name_cannot_be_taken(cluster):
+    cl = cluster()
+    cl.start("a")
+    cfg = cl.tmp / "dup.toml"
+    cfg.write_text(cl.config("a", free_port()))
+    r = subprocess.run(serve_cmd(cfg, free_port()), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1
+    assert "node name 'a' is already taken" in r.stderr + r.stdout
+
+
+def serve_cmd(cfg, port):
+    return [WRENMQ, "serve", "--config", str(cfg), "--port", str(port)]
+
+
+def test_etcd_unreachable_at_start_is_a_clear_error(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[storage]\nmode = \"memory\"\n[cluster]\nenabled = true\netcd = [\"127.0.0.1:{free_port()}\"]\n"
+                   f"etcd_timeout = 1.0\nport = 0\n")
+    r = subprocess.run(serve_cmd(cfg, free_port()), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "cannot start: cannot reach etcd at 127.0.0.1:" in r.stderr + r.stdout
+
+
+def test_wrong_secret_link_is_refused(cluster):
+    cl = cluster(secret="s3cret")
+    cl.start("a")
+    bad = cl.start("b", secret="guess")
+    s = cl.client("a")
+    sub(s, "w/#")
+    pub = cl.client("b")
+    for _ in range(10):
+        publish(pub, "w/1", b"x", 1)
+        time.sleep(0.1)
+    assert drain(s, 0.5) == []
+    assert "wrong cluster or secret" in cl.nodes["a"].log
+    assert bad.proc.poll() is None  # both nodes keep serving their own clients
+
+
+def test_links_and_routing_go_on_while_etcd_is_down(cluster, tmp_path):
+    own = Etcd(tmp_path)  # this test stops etcd: not the module's
+    try:
+        cl = cluster()
+        cl.etcd = own
+        cl.start("a")
+        cl.start("b")
+        s = cl.client("a")
+        sub(s, "e/#", 1)
+        pub = cl.client("b")
+        await_route(pub, s, "e/probe")
+        own.kill()
+        publish(pub, "e/1", b"during", 1)
+        assert [m.payload for m in drain(s, 1.0)] == [b"during"]
+        own.start()
+        # Back: new subscriptions reach the other node again.
+        s2 = cl.client("a")
+        sub(s2, "e2/#", 1)
+        await_route(pub, s2, "e2/probe")
+        assert "etcd session lost" in cl.nodes["a"].log
+    finally:
+        own.stop()
+        own.log.close()
+
+
+def test_node_stopped_cleanly_leaves_at_once(cluster, etcd):
+    cl = cluster(lease_ttl=60)
+    a = cl.start("a")
+    cl.start("b")
+    assert wait_for(lambda: len(etcd.keys(f"/wrenmq/{cl.name}/nodes/")) == 2)
+    assert a.stop(signal.SIGTERM) == 0
+    # The lease is revoked on the way out: gone long before its 60 s.
+    assert wait_for(lambda: len(etcd.keys(f"/wrenmq/{cl.name}/nodes/")) == 1, timeout=3)
+
+
+def test_cluster_figures_for_prometheus(cluster):
+    from test_transports import families, scrape
+
+    cl = cluster()
+    metrics_port = free_port()
+    cl.extra_listeners = f"[[listener]]\nport = 0\n[[listener]]\ntype = \"metrics\"\nport = {metrics_port}\n"
+    cl.start("a")
+    cl.start("b")
+    s = cl.client("b")
+    sub(s, "m/#")
+    pub = cl.client("a")
+    await_route(pub, s, "m/1")
+    publish(pub, "m/2", b"x", 1)
+
+    def figures():
+        f = families(scrape(metrics_port)[2])
+        return f if f["wrenmq_cluster_nodes"][1] == 2 and f["wrenmq_cluster_links_up"][1] == 1 else None
+
+    f = wait_for(figures)
+    assert f, "node a never counted 2 nodes and 1 link up"
+    assert f["wrenmq_cluster_etcd_connected"] == ("gauge", 1.0, {})
+    assert f["wrenmq_cluster_forwarded_messages_total"][1] >= 2
+    assert f["wrenmq_cluster_dropped_messages_total"][1] == 0
+
+
+# --- the link format and the routing state (sans-IO) ------------------------------------------
+
+FORWARDS = [
+    # (flags, client id, timestamp, groups, PUBLISH)
+    (F.TO_SUBSCRIBERS, "dev-1", 1.5, [], Publish("a/b", b"payload", 0, properties={})),
+    (F.TO_SUBSCRIBERS | F.SET_RETAINED, "", 0.0, [], Publish("a/b", b"", 1, True, packet_id=1, properties={})),
+    (F.SYNC, "d", 2.0, [], Publish("r", b"x" * 70000, 2, True, packet_id=1, properties={"content_type": "t"})),
+    (0, "d\u00e9", 3.25, [("g", "s/#"), ("h", "+/x")], Publish("s/x", b"1", 1, packet_id=1,
+                                                                properties={"user_property": [("k", "v")]})),
+]
+
+
+@pytest.mark.parametrize("case", FORWARDS, ids=range(len(FORWARDS)))
+def test_forward_frames_round_trip(case):
+    flags, cid, ts, groups, pkt = case
+    frame = F.encode_forward(encode(pkt, C.MQTT5), flags, cid, ts, groups)
+    reader = F.FrameReader(1 << 20)
+    frames = []
+    for i in range(0, len(frame), 7):  # in pieces, as a socket delivers them
+        frames += reader.feed(frame[i:i + 7])
+    assert len(frames) == 1 and reader.buffered == 0
+    kind, body = frames[0]
+    assert kind == F.FORWARD
+    got = F.decode_forward(body)
+    assert got[:4] == (flags, cid, ts, groups)
+    assert (got[4].topic, bytes(got[4].payload), got[4].qos, got[4].retain) == (pkt.topic, pkt.payload, pkt.qos, pkt.retain)
+    assert (got[4].properties or {}) == pkt.properties
+
+
+def test_hello_round_trip_and_bad_frames():
+    kind, body = F.FrameReader(1024).feed(F.encode_hello("c", "n", "s"))[0]
+    assert kind == F.HELLO and F.decode_hello(body) == ("c", "n", "s")
+    with pytest.raises(F.FrameError):
+        F.FrameReader(1024).feed(b"\x00\x01\x00\x00\x02")  # larger than allowed
+    with pytest.raises(F.FrameError):
+        F.FrameReader(1024).feed(b"\x00\x00\x00\x00\x02")  # empty
+    with pytest.raises(F.FrameError):
+        F.decode_hello(b"not json")
+    good = F.encode_forward(encode(Publish("t", b"x"), C.MQTT5), 1, "c", 0.0)
+    for cut in (3, 12, len(good) - 1):
+        with pytest.raises(F.FrameError):
+            F.decode_forward(good[5:cut])
+    with pytest.raises(F.FrameError):  # not a PUBLISH inside
+        F.decode_forward(good[5:5 + 13] + b"\xc0\x00")
+
+
+def test_interest_counts_and_matches():
+    local = LocalInterest()
+    assert local.add(None, "a/#") and not local.add(None, "a/#")
+    assert not local.remove(None, "a/#") and local.remove(None, "a/#")
+    assert not local.remove(None, "a/#")
+    r = RemoteInterest()
+    r.add("n1", None, "a/#")
+    r.add("n2", None, "a/+")
+    r.add("n2", "g", "a/#")
+    r.add("n3", "g", "a/#")
+    assert r.match("a/b") == (frozenset({"n1", "n2"}), {("g", "a/#"): ("n2", "n3")})
+    assert r.match("$SYS/x") == (frozenset(), {})
+    r.drop_node("n2")
+    assert r.match("a/b") == (frozenset({"n1"}), {("g", "a/#"): ("n3",)})
+    r.remove("n1", None, "a/#")
+    assert r.match("a/b") == (frozenset(), {("g", "a/#"): ("n3",)})
+
+
+@pytest.mark.parametrize("group,flt", [(None, "a/b/#"), ("g1", "+/x"), (None, "/lead/slash"), ("g", "#")])
+def test_route_keys_round_trip(group, flt):
+    prefix = "/wrenmq/c/"
+    key = route_key(prefix, "node-1", group, flt).decode()
+    assert parse_route_key(key[len(prefix) + len("routes/"):]) == ("node-1", group, flt)

@@ -94,7 +94,9 @@ class Cluster:
         return f"{listeners}[storage]\nmode = \"memory\"\n[sys]\ninterval = 0.3\n[cluster]\n{body}\n"
 
     def start(self, name, **over):
-        node = ServedBroker(self.tmp, self.config(name, free_port(), **over))
+        link = free_port()
+        node = ServedBroker(self.tmp, self.config(name, link, **over))
+        node.link_port = link
         self.nodes[name] = node
         return node
 
@@ -284,6 +286,14 @@ def test_shared_group_gets_each_message_once_across_nodes(cluster):
     assert sorted(a + b) == list(range(n))  # each once, none lost
     assert a and b  # both nodes' members take turns
     assert len(drain(plain_a)) == n and len(drain(plain_b)) == n
+    # Published on a node with a member: that node's member and the other node's take turns.
+    pub_a = cl.client("a")
+    for i in range(n):
+        publish(pub_a, f"s/{i}", str(i).encode(), 1)
+    a = [int(m.payload) for m in drain(m_a, 1.0)]
+    b = [int(m.payload) for m in drain(m_b)]
+    assert sorted(a + b) == list(range(n))
+    assert a and b
 
 
 # --- sessions ---------------------------------------------------------------------------------
@@ -346,6 +356,42 @@ def test_node_killed_leaves_when_its_lease_runs_out_and_can_rejoin(cluster, etcd
     sub(s2, "k/#")
     await_route(pub, s2, "k/2")
     assert wait_for(lambda: sys_value(watcher, "$SYS/broker/cluster/nodes") == "2")
+
+
+def test_node_restarted_right_after_a_crash_waits_for_its_old_registration(cluster, etcd):
+    cl = cluster()
+    a = cl.start("a")
+    cl.start("b")
+    assert wait_for(lambda: len(etcd.keys(f"/wrenmq/{cl.name}/nodes/")) == 2)
+    a.kill()
+    a.start()  # at once: the dead node's lease (3 s) still holds the name
+    assert wait_for(lambda: "joined through etcd" in a.log.split("waiting up to")[-1], timeout=15)
+    assert "is registered; waiting up to 3 s" in a.log
+    s = cl.client("a")
+    sub(s, "z/#")
+    await_route(cl.client("b"), s, "z/1")
+
+
+def test_link_port_strangers_are_bounded(cluster):
+    import socket
+
+    cl = cluster()
+    a = cl.start("a")
+    # A frame larger than a HELLO may be, before any HELLO: closed at once.
+    with socket.create_connection(("127.0.0.1", a.link_port), timeout=5) as sock:
+        sock.sendall(b"\x00\x10\x00\x00\x01")  # a 1 MiB frame announced
+        assert sock.recv(1) == b""
+    # Something that is not a HELLO: closed.
+    with socket.create_connection(("127.0.0.1", a.link_port), timeout=5) as sock:
+        sock.sendall(F.encode_forward(encode(Publish("t", b"x"), C.MQTT5), F.TO_SUBSCRIBERS, "c", 0.0))
+        assert sock.recv(1) == b""
+    # Silence: closed after the HELLO timeout (5 s).
+    with socket.create_connection(("127.0.0.1", a.link_port), timeout=10) as sock:
+        t0 = time.monotonic()
+        assert sock.recv(1) == b""
+        assert 4 < time.monotonic() - t0 < 9
+    assert "no HELLO within 5 s" in a.log and "unexpected frame kind 2" in a.log
+    assert cl.client("a").is_connected()  # the node serves on
 
 
 def test_a_live_nodes_name_cannot_be_taken(cluster):

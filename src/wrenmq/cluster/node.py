@@ -35,6 +35,9 @@ log = logging.getLogger("wrenmq.cluster")
 
 _TXN_OPS = 100  # etcd's default --max-txn-ops is 128
 _RETRY = (0.2, 0.5, 1.0, 2.0, 5.0)
+_HELLO_BYTES = 4096  # the largest frame before a link has said who it is
+_HELLO_TIMEOUT = 5.0  # seconds a link may stay silent before its HELLO
+_MAX_INLINKS = 256  # links from other nodes open at once (one per node is the norm)
 
 
 class Peer:
@@ -80,13 +83,26 @@ class _InLink(asyncio.Protocol):
 
     def __init__(self, cluster):
         self.cluster = cluster
-        self.reader = F.FrameReader(cluster.max_frame)
+        self.reader = F.FrameReader(_HELLO_BYTES)  # until HELLO: what a stranger can make us hold
         self.peer = None
         self.transport = None
+        self.timer = None
 
     def connection_made(self, transport):
         self.transport = transport
-        self.cluster.inlinks.add(self)
+        cluster = self.cluster
+        if len(cluster.inlinks) >= _MAX_INLINKS:
+            log.warning("cluster: refusing a link from %s: %d links open", transport.get_extra_info("peername"),
+                        len(cluster.inlinks))
+            transport.abort()
+            return
+        cluster.inlinks.add(self)
+        self.timer = cluster.loop.call_later(_HELLO_TIMEOUT, self._silent)
+
+    def _silent(self):
+        log.warning("cluster: closing a link from %s: no HELLO within %.0f s",
+                    self.transport.get_extra_info("peername"), _HELLO_TIMEOUT)
+        self.transport.abort()
 
     def data_received(self, data):
         cluster = self.cluster
@@ -96,6 +112,8 @@ class _InLink(asyncio.Protocol):
                     cluster._received(body)
                 elif kind == F.HELLO and self.peer is None:
                     self.peer = cluster._hello(body)
+                    self.timer.cancel()
+                    self.reader.max_frame = cluster.max_frame
                 else:
                     raise F.FrameError(f"unexpected frame kind {kind}")
         except F.FrameError as e:
@@ -103,6 +121,8 @@ class _InLink(asyncio.Protocol):
             self.transport.abort()
 
     def connection_lost(self, exc):
+        if self.timer is not None:
+            self.timer.cancel()
         self.cluster.inlinks.discard(self)
 
 
@@ -177,9 +197,11 @@ class Cluster:
             raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)} ([cluster] etcd): {last}")
         try:
             await self._register()
-        except BaseException:
+        except BaseException as e:
             self.server.close()
             await self.etcd.close()
+            if isinstance(e, Exception) and not isinstance(e, ClusterError):
+                raise ClusterError(f"joining through etcd {self.endpoint} failed: {type(e).__name__}: {e}") from e
             raise
         self._wake = asyncio.Event()
         self._main = self.loop.create_task(self._run())
@@ -215,10 +237,23 @@ class Cluster:
         self.lease = await etcd.lease(self.cfg.lease_ttl)
         key = f"{self.prefix}{NODES}{self.node}".encode()
         tx = etcd.transactions
-        ok, _ = await etcd.transaction(
-            compare=[tx.create(key) == 0],
-            success=[tx.put(key, json.dumps({"link": self.advertise}).encode(), lease=self.lease)],
-            failure=[])
+        # A node restarted right after a crash finds its old registration until the old
+        # lease runs out: wait that long before calling the name taken.
+        deadline = time.monotonic() + self.cfg.lease_ttl + 2
+        waited = False
+        while True:
+            ok, _ = await etcd.transaction(
+                compare=[tx.create(key) == 0],
+                success=[tx.put(key, json.dumps({"link": self.advertise}).encode(), lease=self.lease)],
+                failure=[])
+            if ok or time.monotonic() >= deadline:
+                break
+            if not waited:
+                log.info("cluster: node name %r is registered; waiting up to %d s for that registration "
+                         "to expire (a restart after a crash)", self.node, self.cfg.lease_ttl)
+                waited = True
+            await asyncio.sleep(0.5)
+            await self.lease.refresh()  # ours must outlive the wait
         if not ok:
             await self.lease.revoke()
             self.lease = None

@@ -86,12 +86,12 @@ class Cluster:
         self.clients = []
         self.extra_listeners = ""  # for the first node started only
 
-    def config(self, name, link_port, **over):
+    def config(self, name, link_port, storage="mode = \"memory\"", **over):
         c = {"enabled": True, "name": self.name, "node": name, "etcd": [self.etcd.endpoint],
              "port": link_port, "lease_ttl": 3, **self.extra, **over}
         body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in c.items())
         listeners, self.extra_listeners = self.extra_listeners, ""
-        return f"{listeners}[storage]\nmode = \"memory\"\n[sys]\ninterval = 0.3\n[cluster]\n{body}\n"
+        return f"{listeners}[storage]\n{storage}\n[sys]\ninterval = 0.3\n[cluster]\n{body}\n"
 
     def start(self, name, **over):
         link = free_port()
@@ -330,6 +330,32 @@ def test_will_of_a_client_taken_over_from_another_node(cluster):
     cl.client("b", version=4, client_id=cid)
     assert wait_for(lambda: first.disconnected_event.is_set())
     assert [(m.topic, m.payload) for m in drain(watcher, 1.0)] == [("will/dev", b"gone")]
+
+
+def test_offline_session_keeps_forwarded_messages_across_a_restart(cluster):
+    cl = cluster()
+    a = cl.start("a", storage=f"data_dir = \"{cl.tmp / 'data-a'}\"\nfsync = \"interval\"")
+    cl.start("b")
+    cid = uid("dev")
+    props = {"SessionExpiryInterval": 300}
+    dev = cl.client("a", client_id=cid, clean=False, properties=props)
+    sub(dev, "q/#", 1)
+    dev.disconnect()
+    dev.loop_stop()
+    live = cl.client("a")
+    sub(live, "q/#", 1)
+    pub = cl.client("b")
+    await_route(pub, live, "q/probe")
+    for i in range(5):
+        publish(pub, f"q/{i}", str(i).encode(), 1)
+    assert len(drain(live, 1.0)) == 5  # node a has them
+    assert a.stop() == 0
+    a.start()
+    again = paho_client(a.port, client_id=cid, clean=False, properties=props)
+    cl.clients.append(again)
+    assert again.connack[1].session_present is True
+    got = [m.payload for m in drain(again, 1.5) if m.payload != b"probe"]
+    assert got == [b"0", b"1", b"2", b"3", b"4"]
 
 
 # --- membership ---------------------------------------------------------------------------------

@@ -34,6 +34,8 @@ from .interest import CLIENTS, NODES, ROUTES, LocalInterest, RemoteInterest, Sha
 log = logging.getLogger("wrenmq.cluster")
 
 _TXN_OPS = 100  # etcd's default --max-txn-ops is 128
+_TXN_BYTES = 1 << 20  # and its default --max-request-bytes 1.5 MiB
+_SYNC_CHUNK = 1000  # retained messages sent per loop turn when a link comes up
 _RETRY = (0.2, 0.5, 1.0, 2.0, 5.0)
 _HELLO_BYTES = 4096  # the largest frame before a link has said who it is
 _HELLO_TIMEOUT = 5.0  # seconds a link may stay silent before its HELLO
@@ -454,7 +456,12 @@ class Cluster:
         skip = len(client_keys)
         while self._pending:
             batch = []
+            size = 0
             for key in list(self._pending)[:_TXN_OPS]:
+                value = self._pending[key]
+                size += len(key) + len(value or b"")
+                if batch and size > _TXN_BYTES:
+                    break
                 batch.append((key, self._pending.pop(key)))
             ops = [tx.put(k, v, lease=self.lease) if v is not None else tx.delete(k) for k, v in batch]
             try:
@@ -529,7 +536,9 @@ class Cluster:
             peer.link = link
             t = link.transport
             t.write(F.encode_hello(self.name, self.node, self.secret))
-            self._send_retained(link)
+            await self._send_retained(link)
+            if t.is_closing():
+                continue
             if peer.queue:
                 t.writelines(peer.queue)
                 peer.queue = []
@@ -547,14 +556,21 @@ class Cluster:
         if peer.link is link:
             peer.up = False
 
-    def _send_retained(self, link):
-        """The retained messages this node holds (not $SYS: each node has its own)."""
-        now = self.router.clock()
+    async def _send_retained(self, link):
+        """The retained messages this node holds (not $SYS: each node has its own), a
+        chunk per loop turn. Live messages for the peer wait in its queue meanwhile and
+        follow, so a retained message changed during the sync ends up as changed."""
         t = link.transport
-        for msg in self.router.retained.values():
-            if msg.topic.startswith("$SYS") or msg.expired(now):
-                continue
-            t.write(F.encode_forward(self._publish_bytes(msg, now), F.SYNC, msg.client_id, msg.timestamp))
+        retained = list(self.router.retained.values())
+        for i in range(0, len(retained), _SYNC_CHUNK):
+            now = self.router.clock()
+            for msg in retained[i:i + _SYNC_CHUNK]:
+                if msg.topic.startswith("$SYS") or msg.expired(now):
+                    continue
+                t.write(F.encode_forward(self._publish_bytes(msg, now), F.SYNC, msg.client_id, msg.timestamp))
+            if t.is_closing():
+                return
+            await asyncio.sleep(0)
 
     def _hello(self, body):
         cluster, node, secret = F.decode_hello(body)

@@ -298,7 +298,7 @@ def test_shared_group_gets_each_message_once_across_nodes(cluster):
 
 # --- sessions ---------------------------------------------------------------------------------
 
-def test_client_moving_to_another_node_ends_its_session_there(cluster):
+def test_clean_start_on_another_node_ends_the_session_there(cluster):
     cl = cluster()
     cl.start("a")
     cl.start("b")
@@ -306,13 +306,122 @@ def test_client_moving_to_another_node_ends_its_session_there(cluster):
     first = cl.client("a", client_id=cid, clean=False, properties={"SessionExpiryInterval": 300})
     first._reconnect_on_failure = False
     sub(first, "d/#", 1)
-    second = cl.client("b", client_id=cid, clean=False, properties={"SessionExpiryInterval": 300})
-    assert second.connack[1].session_present is False  # sessions do not move between nodes
+    second = cl.client("b", client_id=cid, clean=True)
+    assert second.connack[1].session_present is False
     assert first.disconnected_event.wait(5)
     assert first.disconnect_reason == C.SESSION_TAKEN_OVER
     # Node a no longer holds the session: its subscription is gone from the cluster.
     assert wait_for(lambda: not any(k.endswith("/n/d/#") for k in cl.etcd.keys(f"/wrenmq/{cl.name}/routes/a/")))
     assert wait_for(lambda: sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/takeovers") == "1")
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_session_follows_its_client_to_another_node(cluster, version):
+    cl = cluster()
+    for n in "abc":
+        cl.start(n)
+    cid = uid("dev")
+    kw = {"properties": {"SessionExpiryInterval": 300}} if version == 5 else {}
+    first = cl.client("a", version=version, client_id=cid, clean=False, **kw)
+    first._reconnect_on_failure = False
+    sub(first, "h/#", 1)
+    sub(first, "$share/g/hs/#", 1)
+    first.disconnect()
+    first.loop_stop()
+    pub_a = cl.client("a", version=version)
+    for i in range(3):  # queued for the offline session on node a
+        publish(pub_a, f"h/{i}", str(i).encode(), 1)
+    again = cl.client("b", version=version, client_id=cid, clean=False, **kw)
+    assert again.connack[1].session_present is True
+    assert [m.payload for m in drain(again, 1.0)] == [b"0", b"1", b"2"]
+    # Its subscriptions live on node b now: publishers anywhere reach it there.
+    pub_c = cl.client("c", version=version)
+    await_route(pub_c, again, "h/probe")
+    await_route(pub_a, again, "h/probe")
+    publish(pub_c, "hs/1", b"shared", 1)
+    assert [m.payload for m in drain(again, 1.0)] == [b"shared"]
+    assert not any("/routes/a/" in k for k in cl.etcd.keys(f"/wrenmq/{cl.name}/routes/a/"))
+    assert wait_for(lambda: sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/sessions/handed_over") == "1")
+    assert wait_for(lambda: sys_value(lambda: cl.client("b"), "$SYS/broker/cluster/sessions/taken_over") == "1")
+
+
+def test_session_taken_over_is_stored_on_its_new_node(cluster):
+    cl = cluster()
+    cl.start("a")
+    b = cl.start("b", storage=f"data_dir = \"{cl.tmp / 'data-b'}\"")
+    cid = uid("dev")
+    props = {"SessionExpiryInterval": 300}
+    first = cl.client("a", client_id=cid, clean=False, properties=props)
+    first._reconnect_on_failure = False
+    sub(first, "st/#", 1)
+    first.disconnect()
+    first.loop_stop()
+    moved = cl.client("b", client_id=cid, clean=False, properties=props)
+    assert moved.connack[1].session_present is True
+    moved.disconnect()
+    moved.loop_stop()
+    assert b.stop() == 0
+    b.start()
+    back = paho_client(b.port, client_id=cid, clean=False, properties=props)
+    cl.clients.append(back)
+    assert back.connack[1].session_present is True  # from node b's disk
+    await_route(cl.client("a"), back, "st/1")  # and its subscription with it
+
+
+def test_live_session_moves_with_its_qos2_exchange(cluster):
+    """A QoS 2 PUBLISH sent on node a and not yet acknowledged is resent from node b with
+    the same packet id and DUP (exactly once holds across the move); the live connection
+    on node a is closed with 0x8E."""
+    from conftest import RawClient
+    from wrenmq.mqtt.packets import Connect, Pubcomp, Pubrec, Subscribe, SubscribeTopic
+
+    cl = cluster()
+    a = cl.start("a")
+    b = cl.start("b")
+    cid = uid("raw")
+    props = {"session_expiry_interval": 300}
+    one = RawClient(a.port, C.MQTT5)
+    one.send(Connect(cid, C.MQTT5, clean_start=False, properties=props))
+    assert one.recv().TYPE == C.CONNACK
+    one.send(Subscribe(1, [SubscribeTopic("x2", 2)]))
+    assert one.recv().TYPE == C.SUBACK
+    publish(cl.client("a"), "x2", b"exactly-once", 2)
+    p1 = one.recv()
+    assert (p1.TYPE, p1.qos, p1.payload) == (C.PUBLISH, 2, b"exactly-once")
+    two = RawClient(b.port, C.MQTT5)  # a has not sent PUBREC: the exchange is open
+    two.send(Connect(cid, C.MQTT5, clean_start=False, properties=props))
+    ack = two.recv()
+    assert (ack.TYPE, ack.session_present) == (C.CONNACK, True)
+    p2 = two.recv()
+    assert (p2.TYPE, p2.packet_id, p2.dup, bytes(p2.payload)) == (C.PUBLISH, p1.packet_id, True, b"exactly-once")
+    dis = one.recv()
+    assert (dis.TYPE, dis.reason_code) == (C.DISCONNECT, C.SESSION_TAKEN_OVER)
+    two.send(Pubrec(p2.packet_id))
+    rel = two.recv()
+    assert (rel.TYPE, rel.packet_id) == (C.PUBREL, p2.packet_id)
+    two.send(Pubcomp(p2.packet_id))
+    one.close()
+    two.close()
+
+
+def test_session_ask_to_a_node_that_does_not_answer_starts_anew(cluster):
+    cl = cluster()
+    a = cl.start("a")
+    cl.start("b")
+    cid = uid("dev")
+    first = cl.client("a", client_id=cid, clean=False, properties={"SessionExpiryInterval": 300})
+    first._reconnect_on_failure = False
+    sub(first, "n/#", 1)
+    a.proc.send_signal(signal.SIGSTOP)  # alive for etcd (lease) a while, deaf to its link
+    try:
+        t0 = time.monotonic()
+        again = cl.client("b", client_id=cid, clean=False, properties={"SessionExpiryInterval": 300})
+        waited = time.monotonic() - t0
+        assert again.connack[1].session_present is False
+        assert 1.5 < waited < 6
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    assert "did not hand" in cl.nodes["b"].log
 
 
 def test_will_of_a_client_taken_over_from_another_node(cluster):

@@ -533,6 +533,28 @@ class Connection(asyncio.Protocol):
         if result is not None and result is not True:
             self.refuse(pkt.version, int(result))
             return
+        cluster = self.broker.cluster
+        if cluster is not None and not pkt.clean_start and pkt.client_id and \
+                pkt.client_id not in self.router.sessions:
+            # Its session may be on another node: have it handed over first.
+            self._pause(_P_AUTH)
+            self.broker.spawn(self._claim_then_accept(cluster, pkt, auth_props))
+            return
+        self._accept(pkt, auth_props)
+
+    async def _claim_then_accept(self, cluster, pkt, auth_props):
+        adopted = False
+        try:
+            adopted = await cluster.claim(pkt.client_id)
+        except Exception:
+            log.exception("taking %s's session over from another node failed", pkt.client_id)
+        if not self.closing:
+            self._accept(pkt, auth_props)
+        elif adopted:
+            self.router.park_adopted(pkt.client_id)  # the client left meanwhile
+
+    def _accept(self, pkt, auth_props):
+        """Authenticated (and any session on another node handed over): the router's turn."""
         self._unwatch()
         session = self.router.connect(self, pkt, pkt.username, auth_props)
         if session is None:

@@ -127,6 +127,7 @@ class Router:
         self.persist = None  # Persistence (commit log + state) when storage is on disk
         self.topic_log = None  # with it, the store's topic_log (the match cache's handle on a logged topic)
         self.cluster = None  # cluster.node.Cluster when [cluster] is on: other nodes' interest, links
+        self._adopted = set()  # client ids of sessions handed over by another node, not yet stored here
         self.maximum_qos = config.broker.maximum_qos
         self.retain_available = config.broker.retain_available
         self.max_queued = self.limits.max_queued_messages
@@ -319,6 +320,10 @@ class Router:
             connack = self._connack_v5[present]
         if expiry > 0 and self.persist is not None:
             self.persist.session_started(session, pkt.clean_start)
+        if self._adopted and cid in self._adopted:
+            self._adopted.discard(cid)
+            if session.stored:
+                self._store_adopted(session)
         conn.send(connack)
         if log.isEnabledFor(logging.INFO):
             log.info("client %s connected from %s (v%s, clean=%s, keepalive=%s, session present=%s)",
@@ -856,6 +861,66 @@ class Router:
         normal = hit[0] if subscribers else ()
         local = tuple(g for g in hit[1] if (g.name, g.filter) in groups) if groups else ()
         return self.route(msg, (normal, local))
+
+    def release_session(self, cid):
+        """Another node's CONNECT wants client `cid`'s session: close its connection here
+        (0x8E), take what the log still owes it into its queue, and return it for the
+        caller to serialize and then end with `end_session(session, publish_will=False)`
+        (the client is back: a pending will is not published). None if not held here."""
+        session = self.sessions.get(cid)
+        if session is None:
+            return None
+        log.info("client %s reconnected on another node: its session goes there", cid)
+        if session.conn is not None:
+            self._take_over(session, False)
+        for _ in range(100):  # bounded: what the log owes beyond this is not moved
+            if session.resume_from is None or len(session.queue) >= self.max_queued:
+                break
+            self.catch_up(session)
+        return session
+
+    def adopt_session(self, session, queued):
+        """Take in a session another node handed over (`release_session` there); the
+        CONNECT that asked for it resumes it next (session present 1)."""
+        old = self.sessions.get(session.client_id)
+        if old is not None:  # (held here after all: keep it)
+            return
+        self.sessions[session.client_id] = session
+        for sub in session.subscriptions.values():
+            self._add_subscription(session, sub)
+        for out in queued:
+            self._queue_push(session, out)
+        self._adopted.add(session.client_id)
+        self._matches.clear()
+
+    def park_adopted(self, cid):
+        """An adopted session whose CONNECT went away before it resumed: offline here,
+        expiring as any session does once its client disconnects."""
+        session = self.sessions.get(cid)
+        if session is None or session.conn is not None or cid not in self._adopted:
+            return
+        self._adopted.discard(cid)
+        if session.expiry_interval == 0:
+            self.end_session(session, publish_will=False)
+        elif session.expiry_interval != NEVER:
+            session.generation += 1
+            session.expires_at = self.clock() + session.expiry_interval
+            self._schedule(session.expires_at, _EXPIRE_SESSION, session)
+
+    def _store_adopted(self, session):
+        """An adopted session is stored here now: its subscriptions, owed messages and
+        open inbound QoS 2 ids go to disk too (messages as private log records)."""
+        persist = self.persist
+        for sub in session.subscriptions.values():
+            persist.subscribed(session, sub)
+        for pid in session.incoming_qos2:
+            persist.qos2_in(session, pid, True)
+        for out in list(session.inflight.values()) + list(session.queue):
+            if out.msg.offset < 0:
+                persist.store.append(out.msg, 0, private=True)
+            if out.qos == 2 and out.packet_id and out.msg.offset >= 0:
+                persist.qos2_out(session, out, 1 if out.released else 0)
+        self.dirty.add(session)
 
     def moved_away(self, cid):
         """Client `cid` connected to another node: its session here ends (a connection

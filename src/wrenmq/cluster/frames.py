@@ -1,7 +1,7 @@
 """The node-to-node link's wire format: sans-IO, bytes in and frames out.
 
 A link carries frames `u32 length | u8 kind | body` (the length counts kind and
-body). The first frame each way is HELLO (JSON: cluster, node, secret). A message
+body). The first frame on a link is HELLO (JSON: cluster, node, secret). A message
 travels as FORWARD: a small binary header (what the receiver does with it, the
 publisher's client id and arrival time, the shared groups it is for) followed by
 the message as an MQTT 5 PUBLISH, so properties, QoS, retain and the remaining
@@ -16,6 +16,8 @@ from ..mqtt.codec import MQTTError, decode
 
 HELLO = 1
 FORWARD = 2
+SESSION_ASK = 3  # "hand me client X's session": JSON {"id", "cid"}
+SESSION = 4  # the answer: JSON state, then the messages it owes as PUBLISHes
 
 # FORWARD flags: what the receiving node does with the message.
 TO_SUBSCRIBERS = 1  # deliver to its (non-shared) subscribers that match
@@ -23,6 +25,7 @@ SET_RETAINED = 2  # a retained message (or a clear): update the retained store
 SYNC = 4  # a retained message sent when the link came up: keep it only if newer
 
 _FRAME = struct.Struct(">IB")
+_U32 = struct.Struct(">I")
 _FORWARD = struct.Struct(">BdH")
 _U16 = struct.Struct(">H")
 
@@ -83,6 +86,53 @@ def decode_forward(body):
     if pkt is None or pkt.TYPE != C.PUBLISH:
         raise FrameError("FORWARD does not hold one PUBLISH")
     return flags, cid, ts, groups, pkt
+
+
+def encode_session_ask(request_id, client_id):
+    body = json.dumps({"id": request_id, "cid": client_id}).encode()
+    return _FRAME.pack(len(body) + 1, SESSION_ASK) + body
+
+
+def decode_session_ask(body):
+    try:
+        ask = json.loads(bytes(body))
+        return int(ask["id"]), str(ask["cid"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise FrameError(f"malformed SESSION_ASK: {e}") from None
+
+
+def encode_session(state, publishes):
+    """SESSION frame: `u32 n | state JSON (n bytes) | (u32 n | PUBLISH)*`. `state["msgs"]`
+    describes the PUBLISHes, in order."""
+    head = json.dumps(state).encode()
+    parts = [b"", _U32.pack(len(head)), head]
+    for p in publishes:
+        parts.append(_U32.pack(len(p)))
+        parts.append(p)
+    n = sum(map(len, parts)) + 1
+    parts[0] = _FRAME.pack(n, SESSION)
+    return b"".join(parts)
+
+
+def decode_session(body):
+    """(state dict, [Publish]) of a SESSION body."""
+    try:
+        (n,) = _U32.unpack_from(body, 0)
+        state = json.loads(bytes(body[4:4 + n]))
+        pos = 4 + n
+        pkts = []
+        while pos < len(body):
+            (m,) = _U32.unpack_from(body, pos)
+            pkt = decode(bytes(body[pos + 4:pos + 4 + m]), C.MQTT5)
+            if pkt.TYPE != C.PUBLISH:
+                raise FrameError("SESSION holds a packet that is not a PUBLISH")
+            pkts.append(pkt)
+            pos += 4 + m
+        if not isinstance(state, dict) or len(state.get("msgs", ())) != len(pkts):
+            raise FrameError("SESSION's state does not describe its messages")
+    except (struct.error, ValueError, MQTTError) as e:
+        raise FrameError(f"malformed SESSION: {e}") from None
+    return state, pkts
 
 
 class FrameReader:

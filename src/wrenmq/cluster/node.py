@@ -21,6 +21,7 @@ any other node (a live connection there is closed with 0x8E, session taken over)
 """
 
 import asyncio
+import itertools
 import json
 import logging
 import socket
@@ -29,6 +30,7 @@ import time
 from ..broker.message import Message, message_properties
 from . import ClusterError
 from . import frames as F
+from .handover import build_session, session_state
 from .interest import CLIENTS, NODES, ROUTES, LocalInterest, RemoteInterest, SharedPicker, parse_route_key, route_key
 
 log = logging.getLogger("wrenmq.cluster")
@@ -40,6 +42,7 @@ _RETRY = (0.2, 0.5, 1.0, 2.0, 5.0)
 _HELLO_BYTES = 4096  # the largest frame before a link has said who it is
 _HELLO_TIMEOUT = 5.0  # seconds a link may stay silent before its HELLO
 _MAX_INLINKS = 256  # links from other nodes open at once (one per node is the norm)
+_HANDOVER_TIMEOUT = 2.0  # seconds a CONNECT waits for another node to hand its session over
 
 
 class Peer:
@@ -112,10 +115,14 @@ class _InLink(asyncio.Protocol):
             for kind, body in self.reader.feed(data):
                 if kind == F.FORWARD and self.peer is not None:
                     cluster._received(body)
+                elif kind == F.SESSION_ASK and self.peer is not None:
+                    cluster._session_asked(self.peer, body)
+                elif kind == F.SESSION and self.peer is not None:
+                    cluster._session_answered(body)
                 elif kind == F.HELLO and self.peer is None:
                     self.peer = cluster._hello(body)
                     self.timer.cancel()
-                    self.reader.max_frame = cluster.max_frame
+                    self.reader.max_frame = max(cluster.max_frame, cluster.link_buffer + 65536)
                 else:
                     raise F.FrameError(f"unexpected frame kind {kind}")
         except F.FrameError as e:
@@ -161,7 +168,11 @@ class Cluster:
         self.received = 0
         self.dropped = 0
         self.takeovers = 0
+        self.handed_over = 0  # sessions this node gave to another
+        self.taken_over = 0  # sessions this node took from another
         self.etcd_up = False
+        self._asks = {}  # request id -> future of a SESSION answer
+        self._ids = itertools.count(1)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -679,6 +690,84 @@ class Cluster:
         router.receive_forwarded(msg, flags & F.TO_SUBSCRIBERS, flags & F.SET_RETAINED, flags & F.SYNC,
                                  frozenset(groups) if groups else ())
 
+    # --- sessions that change node ----------------------------------------------------
+
+    async def claim(self, cid):
+        """Before a CONNECT with clean start 0 whose session is not here: ask the node
+        that holds it (`clients/<cid>`) to hand it over, and take it in. False if there
+        was nothing to take (or no answer within _HANDOVER_TIMEOUT)."""
+        if not self.peers or not self.etcd_up:
+            return False
+        try:
+            got = await asyncio.wait_for(self.etcd.get(f"{self.prefix}{CLIENTS}{cid}".encode()),
+                                         self.cfg.etcd_timeout)
+        except (asyncio.TimeoutError, Exception) as e:
+            log.warning("cluster: cannot ask etcd where %s's session is (%s); it starts anew here", cid, e)
+            return False
+        if got is None:
+            return False
+        owner = got.value.decode("utf-8", "replace")
+        peer = self.peers.get(owner)
+        if owner == self.node or peer is None:
+            return False
+        rid = next(self._ids)
+        fut = self.loop.create_future()
+        self._asks[rid] = fut
+        self._send_control(peer, F.encode_session_ask(rid, cid))
+        try:
+            state, pkts = await asyncio.wait_for(fut, _HANDOVER_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.warning("cluster: node %s did not hand %s's session over within %.0f s; it starts anew here",
+                        owner, cid, _HANDOVER_TIMEOUT)
+            return False
+        finally:
+            self._asks.pop(rid, None)
+        if not state.get("found") or state.get("cid") != cid:
+            return False
+        router = self.router
+        since = router.persist.next_offset if router.persist is not None else 0
+        session, queued = build_session(state, pkts, router.clock, since)
+        router.adopt_session(session, queued)
+        self.taken_over += 1
+        log.info("cluster: took %s's session over from node %s (%d subscription(s), %d message(s)%s)",
+                 cid, owner, len(session.subscriptions), len(pkts),
+                 f"; {state['dropped']} beyond [cluster] link_buffer not moved" if state.get("dropped") else "")
+        return True
+
+    def _session_asked(self, requester, body):
+        rid, cid = F.decode_session_ask(body)
+        peer = self.peers.get(requester)
+        if peer is None:
+            return
+        router = self.router
+        session = router.release_session(cid)
+        if session is None:
+            self._send_control(peer, F.encode_session({"id": rid, "cid": cid, "found": False, "msgs": []}, ()))
+            return
+        state, pubs = session_state(session, rid, router.clock(), self.link_buffer)
+        self._owned.pop(cid, None)  # the asking node registers the client next
+        router.end_session(session, publish_will=False)
+        self.handed_over += 1
+        self._send_control(peer, F.encode_session(state, pubs))
+
+    def _session_answered(self, body):
+        state, pkts = F.decode_session(body)
+        fut = self._asks.get(state.get("id"))
+        if fut is None or fut.done():
+            log.warning("cluster: %s's session arrived after its CONNECT stopped waiting; dropped",
+                        state.get("cid"))
+            return
+        fut.set_result((state, pkts))
+
+    def _send_control(self, peer, frame):
+        """A frame that must not be dropped for space (it is small, or it is a session)."""
+        link = peer.link
+        if peer.up and link is not None:
+            link.transport.write(frame)
+        else:
+            peer.queue.append(frame)
+            peer.queued += len(frame)
+
     # --- figures ----------------------------------------------------------------------
 
     def sys_values(self):
@@ -691,4 +780,6 @@ class Cluster:
             "$SYS/broker/cluster/messages/received": self.received,
             "$SYS/broker/cluster/messages/dropped": self.dropped,
             "$SYS/broker/cluster/takeovers": self.takeovers,
+            "$SYS/broker/cluster/sessions/handed_over": self.handed_over,
+            "$SYS/broker/cluster/sessions/taken_over": self.taken_over,
         }

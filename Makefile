@@ -5,6 +5,7 @@
 #   make test  [PYTEST_ARGS="-k foo -x"]   install test deps, run the suite
 #   make bench [ARGS="--repeat 5"]         benchmark suite vs Mosquitto (~20 min)
 #   make bench-quick                       one pass of the main comparison (< 2 min)
+#   make bench-cluster                     one node vs two nodes through etcd (~2 min)
 #   make fuzz  [EXAMPLES=20000]            the fuzz targets, long
 #   make demo  [ARGS="--devices 50"]       broker + simulated fleet + Spark jobs, for a minute
 #   make clean                             remove .venv, .bench and build caches (not data)
@@ -48,10 +49,10 @@ BUILD_DEBIAN_PKGS := gcc:gcc $(PY_INCLUDE)/Python.h:python3-dev
 COMPILED_SOURCES := setup.py src/wrenmq/mqtt/codec.py src/wrenmq/store/_encode.py \
                     src/wrenmq/store/_encode.pxd src/wrenmq/store/_epoch.py src/wrenmq/store/_epoch.pxd
 
-.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-deps demo fuzz clean
+.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-cluster bench-deps demo fuzz clean
 
 help:
-	@sed -n '4,10p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,11p' Makefile | sed 's/^# \{0,1\}//'
 
 # --- virtualenv --------------------------------------------------------------
 
@@ -106,6 +107,12 @@ bench: bench-deps
 
 bench-quick: bench-deps
 	$(PY) -m wrenmq.bench.suite --quick $(ARGS)
+
+# Crossing nodes: the same QoS 0 load through one node and from node b to node a.
+bench-cluster: bench-deps
+	@$(ENSURE_DEB) etcd:etcd-server
+	$(PIP) install -q -e '.[cluster]'
+	$(PY) -m wrenmq.bench.cluster $(ARGS)
 
 # --- fuzz --------------------------------------------------------------------
 

@@ -602,6 +602,27 @@ def test_node_stopped_cleanly_leaves_at_once(cluster, etcd):
     assert wait_for(lambda: len(etcd.keys(f"/wrenmq/{cl.name}/nodes/")) == 1, timeout=3)
 
 
+def test_a_stalled_node_costs_the_others_at_most_link_buffer(cluster):
+    cl = cluster(link_buffer=65536, lease_ttl=30)
+    cl.start("a")
+    b = cl.start("b")
+    s = cl.client("b")
+    sub(s, "lb/#")
+    pub = cl.client("a")
+    await_route(pub, s, "lb/probe")
+    b.proc.send_signal(signal.SIGSTOP)
+    try:
+        payload = b"x" * 1024
+        for i in range(20000):  # 20 MB: more than the link buffer and the kernel's socket buffers
+            pub.publish("lb/x", payload)
+        assert wait_for(lambda: int(sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/messages/dropped") or 0) > 0,
+                        timeout=15)
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    drain(s, 2.0)
+    await_route(pub, s, "lb/after")  # the link drained: messages flow again
+
+
 def test_cluster_figures_for_prometheus(cluster):
     from test_transports import families, scrape
 

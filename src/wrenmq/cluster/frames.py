@@ -12,7 +12,7 @@ import json
 import struct
 
 from ..mqtt import constants as C
-from ..mqtt.codec import MQTTError, decode
+from ..mqtt.codec import Decoder, MQTTError, decode
 
 HELLO = 1
 FORWARD = 2
@@ -64,7 +64,12 @@ def encode_forward(publish, flags, client_id, timestamp, groups=()):
     return b"".join(parts)
 
 
-def decode_forward(body):
+def forward_decoder():
+    """A Decoder for `decode_forward`, kept per link (one per frame costs more than the frame)."""
+    return Decoder(C.MQTT5)
+
+
+def decode_forward(body, decoder=None):
     """(flags, client id, timestamp, groups, Publish) of a FORWARD body."""
     try:
         flags, ts, n = _FORWARD.unpack_from(body, 0)
@@ -80,8 +85,17 @@ def decode_forward(body):
             name, _, flt = bytes(body[pos:pos + n]).decode().partition("\x00")
             groups.append((name, flt))
             pos += n
-        pkt = decode(bytes(body[pos:]), C.MQTT5)
+        if decoder is None:
+            pkt = decode(body[pos:], C.MQTT5)
+        else:
+            pkts = decoder.feed(body[pos:])
+            if len(pkts) != 1 or decoder.buffered:
+                decoder.__init__(C.MQTT5)  # (drop what it holds: the link closes anyway)
+                raise FrameError("FORWARD does not hold exactly one packet")
+            pkt = pkts[0]
     except (struct.error, UnicodeDecodeError, MQTTError) as e:
+        if decoder is not None:
+            decoder.__init__(C.MQTT5)
         raise FrameError(f"malformed FORWARD: {e}") from None
     if pkt is None or pkt.TYPE != C.PUBLISH:
         raise FrameError("FORWARD does not hold one PUBLISH")
@@ -136,30 +150,36 @@ def decode_session(body):
 
 
 class FrameReader:
-    """Cuts a byte stream into (kind, body) frames; bounded by `max_frame`."""
+    """Cuts a byte stream into (kind, body) frames; bounded by `max_frame`.
+
+    Whole frames in a read are sliced out of it as they are; only a frame split
+    across reads is kept (its pieces joined once it is complete)."""
 
     __slots__ = ("max_frame", "_buf")
 
     def __init__(self, max_frame):
         self.max_frame = max_frame
-        self._buf = bytearray()
+        self._buf = b""
 
     def feed(self, data):
-        buf = self._buf
-        buf += data
+        if self._buf:
+            data = self._buf + data
+        elif type(data) is not bytes:
+            data = bytes(data)
         out = []
         pos = 0
-        end = len(buf)
+        end = len(data)
+        unpack = _FRAME.unpack_from
         while end - pos >= 5:
-            n, kind = _FRAME.unpack_from(buf, pos)
+            n, kind = unpack(data, pos)
             if n < 1 or n > self.max_frame:
+                self._buf = b""
                 raise FrameError(f"frame of {n} bytes (at most {self.max_frame})")
             if end - pos - 4 < n:
                 break
-            out.append((kind, bytes(buf[pos + 5:pos + 4 + n])))
+            out.append((kind, data[pos + 5:pos + 4 + n]))
             pos += 4 + n
-        if pos:
-            del buf[:pos]
+        self._buf = data[pos:] if pos < end else b""
         return out
 
     @property

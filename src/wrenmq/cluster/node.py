@@ -48,7 +48,8 @@ _HANDOVER_TIMEOUT = 2.0  # seconds a CONNECT waits for another node to hand its 
 class Peer:
     """Another node and this node's outgoing link to it."""
 
-    __slots__ = ("name", "address", "link", "queue", "queued", "task", "dropped", "sent", "up")
+    __slots__ = ("name", "address", "link", "queue", "queued", "task", "dropped", "sent", "up", "out", "out_bytes",
+                 "backlog")
 
     def __init__(self, name, address):
         self.name = name
@@ -60,6 +61,9 @@ class Peer:
         self.dropped = 0
         self.sent = 0
         self.up = False
+        self.out = []  # frames of this loop turn, written together at its end
+        self.out_bytes = 0
+        self.backlog = 0  # what the link's transport held after the last write
 
 
 class _OutLink(asyncio.Protocol):
@@ -89,6 +93,7 @@ class _InLink(asyncio.Protocol):
     def __init__(self, cluster):
         self.cluster = cluster
         self.reader = F.FrameReader(_HELLO_BYTES)  # until HELLO: what a stranger can make us hold
+        self.decoder = F.forward_decoder()
         self.peer = None
         self.transport = None
         self.timer = None
@@ -114,7 +119,7 @@ class _InLink(asyncio.Protocol):
         try:
             for kind, body in self.reader.feed(data):
                 if kind == F.FORWARD and self.peer is not None:
-                    cluster._received(body)
+                    cluster._received(body, self.decoder)
                 elif kind == F.SESSION_ASK and self.peer is not None:
                     cluster._session_asked(self.peer, body)
                 elif kind == F.SESSION and self.peer is not None:
@@ -172,6 +177,8 @@ class Cluster:
         self.taken_over = 0  # sessions this node took from another
         self.etcd_up = False
         self._asks = {}  # request id -> future of a SESSION answer
+        self._dirty = []  # peers with frames in `out`
+        self._flush_scheduled = False
         self._ids = itertools.count(1)
 
     # --- lifecycle -------------------------------------------------------------
@@ -659,9 +666,15 @@ class Cluster:
     def _send(self, peer, frame):
         link = peer.link
         if peer.up and link is not None:
-            t = link.transport
-            if t.get_write_buffer_size() < self.link_buffer:
-                t.write(frame)
+            if peer.out_bytes + peer.backlog < self.link_buffer or \
+                    peer.out_bytes + self._refresh_backlog(peer) < self.link_buffer:
+                if not peer.out:
+                    self._dirty.append(peer)
+                    if not self._flush_scheduled:
+                        self._flush_scheduled = True
+                        self.loop.call_soon(self._flush_links)
+                peer.out.append(frame)
+                peer.out_bytes += len(frame)
                 peer.sent += 1
                 self.forwarded += 1
                 return
@@ -676,8 +689,32 @@ class Cluster:
             log.warning("cluster: link to node %s is %s; %d message(s) for it dropped so far", peer.name,
                         "full" if peer.up else "down", peer.dropped)
 
-    def _received(self, body):
-        flags, cid, ts, groups, pkt = F.decode_forward(body)
+    @staticmethod
+    def _refresh_backlog(peer):
+        """The link's transport may have drained since the last write: ask it again."""
+        peer.backlog = peer.link.transport.get_write_buffer_size()
+        return peer.backlog
+
+    def _flush_links(self):
+        """End of a loop turn: one write per link for all its frames of the turn."""
+        self._flush_scheduled = False
+        dirty = self._dirty
+        self._dirty = []
+        for peer in dirty:
+            out = peer.out
+            peer.out = []
+            peer.out_bytes = 0
+            link = peer.link
+            if link is not None and not link.transport.is_closing():
+                t = link.transport
+                t.write(b"".join(out) if len(out) > 1 else out[0])
+                peer.backlog = t.get_write_buffer_size()
+            else:
+                peer.queue.extend(out)  # lost its link this turn: sent once it is back
+                peer.queued += sum(map(len, out))
+
+    def _received(self, body, decoder=None):
+        flags, cid, ts, groups, pkt = F.decode_forward(body, decoder)
         router = self.router
         props = message_properties(pkt.properties) if pkt.properties else {}
         interval = props.get("message_expiry_interval")
@@ -685,10 +722,13 @@ class Cluster:
         payload = pkt.payload
         if payload.__class__ is not bytes:
             payload = bytes(payload)
-        msg = Message(pkt.topic, payload, pkt.qos, pkt.retain, props, expiry, cid, None, None, False, ts)
+        msg = Message(pkt.topic, payload, pkt.qos, pkt.retain, props, expiry, cid, None, None, True, ts)
         self.received += 1
+        if not pkt.qos and not pkt.retain and expiry is None:
+            msg.packet = pkt  # 5.0 subscribers get the PUBLISH bytes as they came
         router.receive_forwarded(msg, flags & F.TO_SUBSCRIBERS, flags & F.SET_RETAINED, flags & F.SYNC,
                                  frozenset(groups) if groups else ())
+        msg.packet = None
 
     # --- sessions that change node ----------------------------------------------------
 
@@ -760,10 +800,17 @@ class Cluster:
         fut.set_result((state, pkts))
 
     def _send_control(self, peer, frame):
-        """A frame that must not be dropped for space (it is small, or it is a session)."""
+        """A frame that is never dropped for space (small, or a session): after this turn's
+        other frames for the peer, or queued for its link."""
         link = peer.link
         if peer.up and link is not None:
-            link.transport.write(frame)
+            if not peer.out:
+                self._dirty.append(peer)
+                if not self._flush_scheduled:
+                    self._flush_scheduled = True
+                    self.loop.call_soon(self._flush_links)
+            peer.out.append(frame)
+            peer.out_bytes += len(frame)
         else:
             peer.queue.append(frame)
             peer.queued += len(frame)

@@ -371,6 +371,16 @@ def _validate_cluster(src, c):
         fail("advertise", f"required when bind is {c.bind!r} (the address other nodes connect to)")
 
 
+def cluster_node_name(cfg):
+    """[cluster] node, or its default: <host name>-<first listener's port>."""
+    if cfg.cluster.node:
+        return cfg.cluster.node
+    import socket
+    port = cfg.listener[0].port if cfg.listener else 0
+    host = socket.gethostname() or "node"
+    return f"{host}-{port}" if port else host
+
+
 def validate(cfg):
     """Cross-key checks that types alone cannot express."""
     src = cfg.source

@@ -196,8 +196,9 @@ class Cluster:
         port = self.server.sockets[0].getsockname()[1]
         self.advertise = cfg.advertise or f"{cfg.bind}:{port}"
         if not self.node:
-            listen_port = self.broker.config.listener[0].port
-            self.node = f"{socket.gethostname()}-{listen_port or port}"
+            from ..config import cluster_node_name
+            config = self.broker.config
+            self.node = cluster_node_name(config) if config.listener[0].port else f"{socket.gethostname()}-{port}"
         last = None
         for endpoint in cfg.etcd:
             host, _, eport = endpoint.rpartition(":")

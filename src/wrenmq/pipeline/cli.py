@@ -30,7 +30,7 @@ def add_parsers(sub):
                "  usage         messages and bytes per client id per hour\n"
                "  replay        re-publish a range of the log to a broker (no Spark needed)\n")
     p.add_argument("job", choices=JOBS, metavar="JOB", help=" | ".join(JOBS))
-    p.add_argument("--data-dir", metavar="DIR", default="./data", help="the broker's data dir (default ./data)")
+    p.add_argument("--data-dir", metavar="DIR", default="./data", help="the broker's data dir (default ./data); a cluster's nodes: several, comma separated")
     p.add_argument("--output", metavar="DIR", help="where the job writes (default ./lake/JOB)")
     p.add_argument("--checkpoint", metavar="DIR", help="checkpoint dir (default OUTPUT/_wrenmq/checkpoint)")
     p.add_argument("--master", metavar="URL", help="Spark master (default local[*])")

@@ -11,7 +11,16 @@ DEFAULT_MAX_RECORDS_PER_PARTITION = 250_000
 
 
 def log_root(path):
-    """The directory whose subdirectories are the log partitions."""
+    """The directory whose subdirectories are the log partitions; for several data dirs
+    given as one comma-separated string (a cluster's nodes, each with its own log
+    partition), a tuple of them (`list_partitions` and `Readers` take either)."""
+    path = str(path)
+    if "," in path and not os.path.exists(path):
+        return tuple(_log_root(p.strip()) for p in path.split(",") if p.strip())
+    return _log_root(path)
+
+
+def _log_root(path):
     path = os.path.abspath(os.path.expanduser(str(path)))
     sub = os.path.join(path, "log")
     if os.path.isdir(sub) or not _looks_like_log_root(path):
@@ -31,7 +40,18 @@ def _looks_like_log_root(path):
 
 
 def list_partitions(root):
-    """{node: partition directory} of the log partitions under `root`, sorted by node."""
+    """{node: partition directory} of the log partitions under `root` (or each of a tuple
+    of roots), sorted by node. A node found under two roots is an error: its offsets
+    would mean two different records."""
+    if isinstance(root, (tuple, list)):
+        out = {}
+        for r in root:
+            for node, d in list_partitions(r).items():
+                if node in out:
+                    raise ValueError(f"wrenmq source: log partition {node!r} is in both {out[node]} and {d} "
+                                     "(give each broker its own [broker] node_id)")
+                out[node] = d
+        return {n: out[n] for n in sorted(out)}
     try:
         names = sorted(os.listdir(root))
     except FileNotFoundError:
@@ -154,11 +174,12 @@ class Readers:
     def __init__(self, root):
         self.root = root
         self.readers = {}
+        self.dirs = {}  # node -> its partition directory
 
     def refresh(self):
         from wrenmq.store.log import LogReader
 
-        dirs = list_partitions(self.root)
+        dirs = self.dirs = list_partitions(self.root)
         for node in list(self.readers):
             if node not in dirs:
                 self.readers.pop(node).close()

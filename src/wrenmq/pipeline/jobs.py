@@ -399,8 +399,9 @@ def run(job, o, spark=None, console=None):
     from .common import log_root
 
     root = log_root(o.data_dir)
-    if not os.path.isdir(root):
-        log.warning("no commit log under %s (yet): is --data-dir the broker's data dir?", root)
+    for r in root if isinstance(root, tuple) else (root,):
+        if not os.path.isdir(r):
+            log.warning("no commit log under %s (yet): is --data-dir the broker's data dir?", r)
     own = spark is None
     if own:
         from .spark import session

@@ -19,7 +19,8 @@ rows that have one, once per distinct block.
 
 Options (case-insensitive), in the style of Spark's Kafka source:
 
-    path                    the broker's data dir (holds log/<node>/); or the log/ dir itself
+    path                    the broker's data dir (holds log/<node>/); or the log/ dir itself;
+                            or several, comma separated: a cluster's nodes, read together
     topics                  MQTT filters, comma separated (or a JSON list); pushed down
     startingOffsets         earliest (default) | latest | {"node": offset, ...}  (-2 earliest, -1 latest)
     startingTimestamp       start at the first record with timestamp >= this (ms since the epoch,
@@ -306,8 +307,7 @@ class WrenBatchReader(DataSourceReader):
                     end = resolve(opts.ending, node, r, "latest")
                 end = min(end, r.end_offset)
                 start = check_loss(node, start, r, opts.fail_on_data_loss and isinstance(opts.starting, dict))
-                parts.extend(split_ranges(node, os.path.join(opts.root, node), start, end,
-                                          opts.max_per_partition))
+                parts.extend(split_ranges(node, readers.dirs[node], start, end, opts.max_per_partition))
         finally:
             readers.close()
         # Spark needs at least one partition; an empty range reads nothing.
@@ -377,7 +377,8 @@ class WrenStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 s = check_loss(node, s, r, opts.fail_on_data_loss)
             elif e > s and opts.fail_on_data_loss:
                 raise RuntimeError(f"wrenmq source: log partition {node!r} disappeared")
-            parts.extend(split_ranges(node, os.path.join(opts.root, node), s, e, opts.max_per_partition))
+            d = self._readers.dirs.get(node) or os.path.join(_first(opts.root), node)
+            parts.extend(split_ranges(node, d, s, e, opts.max_per_partition))
         return parts
 
     def read(self, partition):
@@ -389,6 +390,10 @@ class WrenStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def stop(self):
         if self._readers is not None:
             self._readers.close()
+
+
+def _first(root):
+    return root[0] if isinstance(root, tuple) else root
 
 
 def cap_offsets(start, end, max_rows, readers=None):

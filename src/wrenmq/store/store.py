@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 
+from ..config import cluster_node_name
 from ..mqtt.codec import decode_properties, encode_varint
 from ._epoch import SEAL_BYTES, Epoch, EpochAppender, new_buffers, properties_block  # noqa: F401 (properties_block: re-exported)
 from .format import encode_batch_parts
@@ -106,8 +107,9 @@ class _Signal:
         return self._lock.acquire(timeout=timeout)
 
 
-def node_id_for(data_dir, configured):
-    """The node's name: configured, else remembered in data_dir, else the host name."""
+def node_id_for(data_dir, configured, default=""):
+    """The node's name: configured, else remembered in data_dir, else `default` (a
+    cluster node's name) or the host name, remembered from then on."""
     path = os.path.join(data_dir, "node_id")
     if configured:
         return configured
@@ -118,7 +120,7 @@ def node_id_for(data_dir, configured):
                 return name
     except FileNotFoundError:
         pass
-    name = socket.gethostname() or "node0"
+    name = default or socket.gethostname() or "node0"
     name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
     with open(path, "w") as fh:
         fh.write(name + "\n")
@@ -138,7 +140,10 @@ class Store(EpochAppender):
         self.config = config
         self.data_dir = os.path.abspath(st.data_dir)
         os.makedirs(self.data_dir, exist_ok=True)
-        self.node_id = node_id_for(self.data_dir, config.broker.node_id)
+        # A cluster node's log partition is named after the node (on a new data dir), so the
+        # logs of a cluster's nodes can be read together (pipeline: several data dirs).
+        self.node_id = node_id_for(self.data_dir, config.broker.node_id,
+                                   cluster_node_name(config) if config.cluster.enabled else "")
         self.fsync = st.fsync
         self.fsync_interval = st.fsync_interval_ms / 1000.0
         # Report every batch to the loop at once (under "always" a durable epoch's output

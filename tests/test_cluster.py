@@ -552,6 +552,33 @@ def test_etcd_unreachable_at_start_is_a_clear_error(tmp_path):
     assert "cannot start: cannot reach etcd at 127.0.0.1:" in r.stderr + r.stdout
 
 
+def test_etcd_with_authentication(cluster, tmp_path):
+    own = Etcd(tmp_path)
+    try:
+        own.ctl("user", "add", "root:rootpw")
+        own.ctl("user", "add", "wren:wrenpw")
+        own.ctl("role", "add", "wrenmq")
+        own.ctl("role", "grant-permission", "wrenmq", "--prefix=true", "readwrite", "/wrenmq/")
+        own.ctl("user", "grant-role", "wren", "wrenmq")
+        own.ctl("auth", "enable")
+        cl = cluster(etcd_username="wren", etcd_password="wrenpw")
+        cl.etcd = own
+        cl.start("a")
+        cl.start("b")
+        s = cl.client("a")
+        sub(s, "au/#")
+        await_route(cl.client("b"), s, "au/1")
+        cfg = cl.tmp / "badpw.toml"
+        cfg.write_text(cl.config("c", free_port(), etcd_password="nope"))
+        r = subprocess.run(serve_cmd(cfg, free_port()), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1
+        out = r.stderr + r.stdout
+        assert "cannot start: cannot reach etcd" in out and "authentication failed" in out.lower(), out[-600:]
+    finally:
+        own.stop()
+        own.log.close()
+
+
 def test_wrong_secret_link_is_refused(cluster):
     cl = cluster(secret="s3cret")
     cl.start("a")

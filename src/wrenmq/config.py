@@ -197,6 +197,9 @@ class ClusterSection:
                      "(keys under /wrenmq/<name>/).")
     node: str = _key("", "This node's name, unique in the cluster; empty = <hostname>-<first listener port>.")
     etcd: list = _key(["127.0.0.1:2379"], "etcd endpoints (host:port), tried in order.")
+    etcd_username: str = _key("", "etcd user, when etcd has authentication on (the user needs read and "
+                              "write on /wrenmq/<name>/ and leases).")
+    etcd_password: str = _key("", "That user's password.")
     etcd_timeout: float = _key(5.0, "Seconds an etcd request may take before the node counts etcd "
                                "as unreachable.", 0.1, 300)
     lease_ttl: int = _key(10, "Seconds a node that stops answering stays in the cluster (its etcd "

@@ -203,7 +203,8 @@ class Cluster:
         for endpoint in cfg.etcd:
             host, _, eport = endpoint.rpartition(":")
             client = aetcd.Client(host=host or "127.0.0.1", port=int(eport), timeout=cfg.etcd_timeout,
-                                  connect_wait_timeout=max(1, int(cfg.etcd_timeout)))
+                                  connect_wait_timeout=max(1, int(cfg.etcd_timeout)),
+                                  username=cfg.etcd_username or None, password=cfg.etcd_password or None)
             try:
                 await client.connect()
                 await client.status()
@@ -314,7 +315,6 @@ class Cluster:
     # --- the etcd session: keepalive, watch, reconnect --------------------------
 
     async def _run(self):
-        attempt = 0
         while not self._stopping:
             try:
                 await self._watch_and_keep_alive()
@@ -322,25 +322,35 @@ class Cluster:
                 raise
             except Exception as e:
                 self.etcd_up = False
-                delay = _RETRY[min(attempt, len(_RETRY) - 1)]
-                attempt += 1
-                log.warning("cluster: etcd session lost (%s: %s); routing with what is known, "
-                            "retrying in %.1f s", type(e).__name__, e, delay)
-                await asyncio.sleep(delay)
-                try:
-                    alive = self.lease is not None and (await self.lease.remaining_ttl()) > 0
-                    if alive:
-                        await self._flush_pending()
-                        await self._resync()
-                    else:
-                        log.warning("cluster: this node's lease ran out; joining again")
-                        await self._register()
-                    attempt = 0
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e2:
-                    log.warning("cluster: rejoining failed (%s: %s)", type(e2).__name__, e2)
-                    continue
+                log.warning("cluster: etcd session lost (%s: %s); routing with what is known, rejoining",
+                            type(e).__name__, e)
+            await self._rejoin()
+
+    async def _rejoin(self):
+        """Back to etcd: resync if the lease lived, else join again; retried with a backoff,
+        a log line a minute while it fails."""
+        attempt = 0
+        said = 0.0
+        while not self._stopping:
+            await asyncio.sleep(_RETRY[min(attempt, len(_RETRY) - 1)])
+            attempt += 1
+            try:
+                alive = self.lease is not None and (await self.lease.remaining_ttl()) > 0
+                if alive:
+                    await self._flush_pending()
+                    await self._resync()
+                else:
+                    log.warning("cluster: this node's lease ran out; joining again")
+                    await self._register()
+                log.info("cluster: etcd session back (after %d attempt(s))", attempt)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                now = time.monotonic()
+                if now - said >= 60:
+                    said = now
+                    log.warning("cluster: rejoining through etcd failed (%s: %s); retrying", type(e).__name__, e)
 
     async def _watch_and_keep_alive(self):
         watch = await self.etcd.watch_prefix(self.prefix.encode(), start_revision=self.revision + 1)

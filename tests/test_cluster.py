@@ -673,6 +673,7 @@ def test_cluster_figures_for_prometheus(cluster):
     assert f["wrenmq_cluster_etcd_connected"] == ("gauge", 1.0, {})
     assert f["wrenmq_cluster_forwarded_messages_total"][1] >= 2
     assert f["wrenmq_cluster_dropped_messages_total"][1] == 0
+    assert f["wrenmq_cluster_sessions_handed_over_total"][1] == 0
 
 
 # --- the link format and the routing state (sans-IO) ------------------------------------------

@@ -95,7 +95,11 @@ METRICS = (
     ("$SYS/broker/cluster/messages/dropped", "wrenmq_cluster_dropped_messages_total", "counter",
      "Messages for another node dropped: its link was down or full past [cluster] link_buffer."),
     ("$SYS/broker/cluster/takeovers", "wrenmq_cluster_takeovers_total", "counter",
-     "Sessions ended here because their client connected to another node."),
+     "Sessions ended here because their client connected to another node with clean start 1."),
+    ("$SYS/broker/cluster/sessions/handed_over", "wrenmq_cluster_sessions_handed_over_total", "counter",
+     "Sessions sent to another node because their client reconnected there."),
+    ("$SYS/broker/cluster/sessions/taken_over", "wrenmq_cluster_sessions_taken_over_total", "counter",
+     "Sessions received from another node for a client that reconnected here."),
 )
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

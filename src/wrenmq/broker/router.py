@@ -923,8 +923,10 @@ class Router:
         self.dirty.add(session)
 
     def moved_away(self, cid):
-        """Client `cid` connected to another node: its session here ends (a connection
-        is closed with 0x8E, session taken over). Sessions do not move between nodes."""
+        """Client `cid` connected to another node with clean start 1 (or its session was
+        not handed over): its session here ends, a connection here is closed with 0x8E
+        (session taken over). With clean start 0 the session moves instead
+        (`release_session`)."""
         session = self.sessions.get(cid)
         if session is None:
             return

@@ -745,3 +745,59 @@ def test_route_keys_round_trip(group, flt):
     prefix = "/wrenmq/c/"
     key = route_key(prefix, "node-1", group, flt).decode()
     assert parse_route_key(key[len(prefix) + len("routes/"):]) == ("node-1", group, flt)
+
+
+def test_link_frames_from_garbage_only_ever_raise_frame_error():
+    """Whatever bytes a peer sends, the reader and decoders answer with FrameError (the
+    link is closed) or frames; nothing else escapes to crash the node's loop."""
+    from hypothesis import given, settings, strategies as st
+
+    good = F.encode_forward(encode(Publish("a/b", b"x", 1, packet_id=1, properties={"content_type": "t"}), C.MQTT5),
+                            F.TO_SUBSCRIBERS, "c", 1.0, [("g", "a/#")])
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.one_of(st.binary(max_size=200),
+                     st.builds(lambda i, b: good[:i] + b + good[i + len(b):], st.integers(0, len(good)),
+                               st.binary(min_size=1, max_size=8))))
+    def check(data):
+        decoders = (F.decode_forward, F.decode_hello, F.decode_session_ask, F.decode_session)
+        try:
+            frames = F.FrameReader(4096).feed(data)
+        except F.FrameError:
+            return
+        for kind, body in frames:
+            for dec in decoders:
+                try:
+                    dec(body)
+                except F.FrameError:
+                    pass
+        d = F.forward_decoder()
+        for kind, body in frames:
+            try:
+                F.decode_forward(body, d)
+            except F.FrameError:
+                pass
+
+    check()
+
+
+def test_cluster_status_command(cluster):
+    cl = cluster()
+    cl.start("a")
+    cl.start("b")
+    s = cl.client("a", client_id="status-sub")
+    sub(s, "st/#")
+    sub(s, "$share/g/st2/#")
+    assert wait_for(lambda: len(cl.etcd.keys(f"/wrenmq/{cl.name}/routes/a/")) == 2)
+    cfg = cl.tmp / "status.toml"
+    cfg.write_text(cl.config("x", 0))
+    r = subprocess.run([WRENMQ, "cluster", "status", "--config", str(cfg), "--json"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    nodes = json.loads(r.stdout)["nodes"]
+    assert sorted(nodes) == ["a", "b"]
+    assert nodes["a"]["filters"] == 1 and nodes["a"]["shared"] == 1 and nodes["a"]["clients"] >= 1
+    assert nodes["a"]["link"] == f"127.0.0.1:{cl.nodes['a'].link_port}"
+    text = subprocess.run([WRENMQ, "cluster", "status", "--config", str(cfg)], capture_output=True, text=True,
+                          timeout=30).stdout
+    assert text.startswith(f"cluster {cl.name}: 2 node(s)")

@@ -114,6 +114,16 @@ def _config_docs(args):
     return 0
 
 
+def _cluster_status(args):
+    try:
+        cfg = load(args.config)
+    except ConfigError as e:
+        print(f"wrenmq: {e}", file=sys.stderr)
+        return 2
+    from .cluster.status import status_command
+    return status_command(cfg, args.json)
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="wrenmq", description="MQTT broker with a durable commit log")
     p.add_argument("--version", action="version", version=f"wrenmq {__version__}")
@@ -135,6 +145,13 @@ def build_parser():
     cc.set_defaults(func=_config_check)
     cd = csub.add_parser("docs", help="print every setting as Markdown (docs/CONFIG.md)")
     cd.set_defaults(func=_config_docs)
+
+    k = sub.add_parser("cluster", help="cluster tools")
+    ksub = k.add_subparsers(dest="cluster_command", metavar="ACTION")
+    ks = ksub.add_parser("status", help="the nodes etcd knows: link, filters, clients")
+    ks.add_argument("--config", metavar="FILE", help="TOML configuration file (its [cluster] section)")
+    ks.add_argument("--json", action="store_true", help="print JSON")
+    ks.set_defaults(func=_cluster_status)
 
     from .auth.commands import add_passwd_parser, add_reload_parser
     add_passwd_parser(sub)

@@ -166,7 +166,6 @@ class Cluster:
         self._owned = {}  # client id -> revision of this node's registration
         self._foreign = {}  # client id -> newest revision of another node's, seen while ours was in flight
         self._flushing = None
-        self._wake = None
         self._main = None
         self._stopping = False
         self.forwarded = 0
@@ -225,7 +224,6 @@ class Cluster:
             if isinstance(e, Exception) and not isinstance(e, ClusterError):
                 raise ClusterError(f"joining through etcd {self.endpoint} failed: {type(e).__name__}: {e}") from e
             raise
-        self._wake = asyncio.Event()
         self._main = self.loop.create_task(self._run())
         log.info("cluster %s: node %s joined through etcd %s; links on %s; %d other node(s)",
                  self.name, self.node, self.endpoint, self.advertise, len(self.peers))
@@ -298,7 +296,8 @@ class Cluster:
         await self._resync()
 
     async def _resync(self):
-        """Read every key of the cluster: the other nodes, their interest; return the revision."""
+        """Read every key of the cluster (the other nodes, their interest, the clients) and
+        the revision the watch goes on from."""
         got = await self.etcd.get_prefix(self.prefix.encode())
         self.remote.clear()
         seen = set()

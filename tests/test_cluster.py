@@ -594,6 +594,40 @@ def test_wrong_secret_link_is_refused(cluster):
     assert bad.proc.poll() is None  # both nodes keep serving their own clients
 
 
+def test_links_over_mutual_tls(cluster, tmp_path):
+    import trustme
+
+    ca, other = trustme.CA(), trustme.CA()
+    files = {}
+    for name, issuer in (("good", ca), ("rogue", other)):
+        cert = issuer.issue_cert("127.0.0.1")
+        files[name] = (tmp_path / f"{name}.pem", tmp_path / f"{name}-ca.pem")
+        cert.private_key_and_cert_chain_pem.write_to_path(str(files[name][0]))
+        issuer.cert_pem.write_to_path(str(files[name][1]))
+    good = {"tls": True, "certfile": str(files["good"][0]), "cafile": str(files["good"][1])}
+    cl = cluster(**good)
+    cl.start("a")
+    cl.start("b")
+    s = cl.client("a")
+    sub(s, "tl/#", 1)
+    pub = cl.client("b")
+    await_route(pub, s, "tl/1")
+    publish(pub, "tl/2", b"over tls", 1)
+    assert [m.payload for m in drain(s, 1.0)] == [b"over tls"]
+    # A node whose certificate another CA signed (and which trusts only that CA) joins
+    # etcd, but no link to or from it comes up: nothing it publishes reaches node a.
+    rogue = cl.start("c", certfile=str(files["rogue"][0]), cafile=str(files["rogue"][1]))
+    rp = paho_client(rogue.port)
+    cl.clients.append(rp)
+    for _ in range(10):
+        publish(rp, "tl/3", b"rogue", 1)
+        time.sleep(0.1)
+    assert drain(s, 0.5) == []
+    log_a = cl.nodes["a"].log
+    assert "link to node c" not in log_a and "link from node c" not in log_a
+    assert wait_for(lambda: "cannot connect to node c" in cl.nodes["a"].log and "CERTIFICATE_VERIFY_FAILED" in cl.nodes["a"].log)
+
+
 def test_links_and_routing_go_on_while_etcd_is_down(cluster, tmp_path):
     own = Etcd(tmp_path)  # this test stops etcd: not the module's
     try:

@@ -202,6 +202,10 @@ ERRORS = [
      "required when bind is '0.0.0.0'"),
     ("cluster-bad-advertise", '[cluster]\nadvertise = "host"\n', "cluster.advertise", "expected host:port"),
     ("cluster-lease-too-short", "[cluster]\nlease_ttl = 1\n", "cluster.lease_ttl", ">= 2"),
+    ("cluster-tls-no-cert", "[cluster]\ntls = true\n", "cluster.certfile", "required when tls = true"),
+    ("cluster-cert-without-tls", '[cluster]\ncafile = "ca.pem"\n', "cluster.cafile", "only used with tls = true"),
+    ("cluster-tls-missing-file", '[cluster]\ntls = true\ncertfile = "/nonexistent.pem"\ncafile = "/nonexistent.pem"\n',
+     "cluster.certfile", "file not found"),
 ]
 
 

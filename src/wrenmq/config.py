@@ -208,8 +208,14 @@ class ClusterSection:
     port: int = _key(1884, "Port of the node-to-node link; 0 picks a free port.", 0, 65535)
     advertise: str = _key("", "host:port the other nodes connect to; empty = bind:port (set it when "
                           "bind is 0.0.0.0 or ::).")
-    secret: str = _key("", "Shared by every node: a link that does not present it is closed. Links "
-                       "are plain TCP: keep them on a private network.")
+    secret: str = _key("", "Shared by every node: a link that does not present it is closed.")
+    tls: bool = _key(False, "Links over mutual TLS: each node presents certfile and accepts only "
+                     "nodes whose certificate cafile signed (and, connecting, whose certificate "
+                     "names the host of its advertise address). Without it links are plain TCP: "
+                     "keep them on a private network.")
+    certfile: str = _key("", "tls: this node's PEM certificate (chain), for both ends of its links.")
+    keyfile: str = _key("", "tls: its private key; empty if certfile holds the key too.")
+    cafile: str = _key("", "tls: PEM CA certificate(s) that sign the nodes' certificates.")
     link_buffer: int = _key(67108864, "Bytes waiting for one other node, at most: past it, messages "
                             "for that node are dropped and counted (a slow or dead node cannot "
                             "fill this one's memory).", 65536)
@@ -370,6 +376,18 @@ def _validate_cluster(src, c):
         host, _, port = ep.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             fail("etcd" if ep in c.etcd else "advertise", f"expected host:port, got {ep!r}")
+    if c.tls:
+        for key in ("certfile", "cafile"):
+            if not getattr(c, key):
+                fail(key, "required when tls = true")
+        for key in ("certfile", "keyfile", "cafile"):
+            value = getattr(c, key)
+            if value and not os.path.isfile(value):
+                fail(key, f"file not found: {value}")
+    else:
+        for key in ("certfile", "keyfile", "cafile"):
+            if getattr(c, key):
+                fail(key, "only used with tls = true (is tls missing?)")
     if c.enabled and not c.advertise and c.bind in ("0.0.0.0", "::", ""):
         fail("advertise", f"required when bind is {c.bind!r} (the address other nodes connect to)")
 

@@ -25,6 +25,7 @@ import itertools
 import json
 import logging
 import socket
+import ssl
 import time
 
 from ..broker.message import Message, message_properties
@@ -140,6 +141,21 @@ class _InLink(asyncio.Protocol):
         self.cluster.inlinks.discard(self)
 
 
+def _tls_contexts(cfg):
+    """(server, client) SSL contexts of mutual TLS between nodes ([cluster] tls)."""
+    try:
+        server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=cfg.cafile)
+        server.load_cert_chain(cfg.certfile, cfg.keyfile or None)
+        server.verify_mode = ssl.CERT_REQUIRED
+        client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cfg.cafile)
+        client.load_cert_chain(cfg.certfile, cfg.keyfile or None)
+    except (OSError, ssl.SSLError) as e:
+        raise ClusterError(f"[cluster] tls: cannot load certfile/keyfile/cafile: {e}") from None
+    for ctx in (server, client):
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return server, client
+
+
 class Cluster:
     def __init__(self, broker, cfg):
         self.broker = broker
@@ -191,7 +207,12 @@ class Cluster:
 
         self.loop = asyncio.get_running_loop()
         cfg = self.cfg
-        self.server = await self.loop.create_server(lambda: _InLink(self), cfg.bind, cfg.port)
+        self.tls_server = self.tls_client = None
+        tls = {}
+        if cfg.tls:
+            self.tls_server, self.tls_client = _tls_contexts(cfg)
+            tls = {"ssl": self.tls_server, "ssl_handshake_timeout": _HELLO_TIMEOUT}
+        self.server = await self.loop.create_server(lambda: _InLink(self), cfg.bind, cfg.port, **tls)
         port = self.server.sockets[0].getsockname()[1]
         self.advertise = cfg.advertise or f"{cfg.bind}:{port}"
         if not self.node:
@@ -550,9 +571,11 @@ class Cluster:
         host, _, port = peer.address.rpartition(":")
         attempt = 0
         while self.peers.get(peer.name) is peer:
+            tls = {"ssl": self.tls_client, "server_hostname": host,
+                   "ssl_handshake_timeout": _HELLO_TIMEOUT} if self.tls_client is not None else {}
             try:
-                _, link = await self.loop.create_connection(lambda: _OutLink(self, peer), host, int(port))
-            except OSError as e:
+                _, link = await self.loop.create_connection(lambda: _OutLink(self, peer), host, int(port), **tls)
+            except (OSError, ssl.SSLError) as e:
                 delay = _RETRY[min(attempt, len(_RETRY) - 1)]
                 if attempt == 2:
                     log.warning("cluster: cannot connect to node %s at %s (%s); retrying", peer.name,

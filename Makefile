@@ -28,6 +28,7 @@ TEST_DEBIAN_PKGS := \
 	mosquitto_sub:mosquitto-clients \
 	mosquitto:mosquitto \
 	etcd:etcd-server \
+	etcdctl:etcd-client \
 	java:openjdk-17-jre-headless
 
 # npm packages the tests need, installed into $(NPM_PREFIX); their binaries are

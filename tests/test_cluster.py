@@ -296,6 +296,43 @@ def test_shared_group_gets_each_message_once_across_nodes(cluster):
     assert a and b
 
 
+def test_shared_group_prefers_nodes_where_a_member_is_connected(cluster):
+    cl = cluster()
+    for n in "abc":
+        cl.start(n)
+    cid = uid("member")
+    props = {"SessionExpiryInterval": 300}
+    away = cl.client("a", client_id=cid, clean=False, properties=props)
+    sub(away, "$share/g/o/#", 1)
+    away.disconnect()  # a member on node a, offline
+    away.loop_stop()
+    here = cl.client("b")
+    sub(here, "$share/g/o/#", 1)
+    plain = cl.client("b")
+    sub(plain, "o/#", 1)
+    pub = cl.client("c")
+    await_route(pub, plain, "o/probe")
+    # Node a's key says its member is offline once etcd has it: wait for that too.
+    assert wait_for(lambda: any(k.endswith("/s/g/o/#") for k in cl.etcd.keys(f"/wrenmq/{cl.name}/routes/a/")))
+    assert wait_for(lambda: cl.etcd.ctl("get", f"/wrenmq/{cl.name}/routes/a/s/g/o/#", "--print-value-only")
+                    .stdout.strip() == "0")
+    drain(here)
+    for i in range(20):
+        publish(pub, f"o/{i}", str(i).encode(), 1)
+    assert sorted(int(m.payload) for m in drain(here, 1.0) if m.payload != b"probe") == list(range(20))
+    back = cl.client("a", client_id=cid, clean=False, properties=props)
+    assert back.connack[1].session_present is True
+    assert drain(back, 0.5) == []  # nothing was queued for it while someone could take it
+    assert wait_for(lambda: cl.etcd.ctl("get", f"/wrenmq/{cl.name}/routes/a/s/g/o/#", "--print-value-only")
+                    .stdout.strip() == "1")
+    time.sleep(0.3)  # (node c applies the change)
+    for i in range(20):
+        publish(pub, f"o/{i}", str(i).encode(), 1)
+    got_a = [int(m.payload) for m in drain(back, 1.0)]
+    got_b = [int(m.payload) for m in drain(here)]
+    assert sorted(got_a + got_b) == list(range(20)) and got_a and got_b
+
+
 # --- sessions ---------------------------------------------------------------------------------
 
 def test_clean_start_on_another_node_ends_the_session_there(cluster):
@@ -761,17 +798,27 @@ def test_interest_counts_and_matches():
     assert local.add(None, "a/#") and not local.add(None, "a/#")
     assert not local.remove(None, "a/#") and local.remove(None, "a/#")
     assert not local.remove(None, "a/#")
+    # A group's key says whether a member is connected.
+    assert local.add("g", "s/#", online=False) and local.value("g", "s/#") == b"0"
+    assert local.connected("g", "s/#", 1) and local.value("g", "s/#") == b"1"
+    assert not local.add("g", "s/#", online=True)  # a second connected member: no change
+    assert local.remove("g", "s/#", online=True) is None
+    assert local.remove("g", "s/#", online=True) == "delete"
+    assert local.add("g", "s/#", online=True) and not local.add("g", "s/#", online=False)
+    assert local.remove("g", "s/#", online=True) == "update" and local.value("g", "s/#") == b"0"
     r = RemoteInterest()
     r.add("n1", None, "a/#")
     r.add("n2", None, "a/+")
-    r.add("n2", "g", "a/#")
+    r.add("n2", "g", "a/#", online=False)
     r.add("n3", "g", "a/#")
-    assert r.match("a/b") == (frozenset({"n1", "n2"}), {("g", "a/#"): ("n2", "n3")})
+    assert r.match("a/b") == (frozenset({"n1", "n2"}), {("g", "a/#"): (("n3",), ("n2", "n3"))})
     assert r.match("$SYS/x") == (frozenset(), {})
+    r.add("n2", "g", "a/#", online=True)
+    assert r.match("a/b")[1] == {("g", "a/#"): (("n2", "n3"), ("n2", "n3"))}
     r.drop_node("n2")
-    assert r.match("a/b") == (frozenset({"n1"}), {("g", "a/#"): ("n3",)})
+    assert r.match("a/b") == (frozenset({"n1"}), {("g", "a/#"): (("n3",), ("n3",))})
     r.remove("n1", None, "a/#")
-    assert r.match("a/b") == (frozenset(), {("g", "a/#"): ("n3",)})
+    assert r.match("a/b") == (frozenset(), {("g", "a/#"): (("n3",), ("n3",))})
 
 
 @pytest.mark.parametrize("group,flt", [(None, "a/b/#"), ("g1", "+/x"), (None, "/lead/slash"), ("g", "#")])

@@ -278,6 +278,8 @@ class Router:
         session.version = pkt.version
         session.v5 = v5
         session.conn = conn
+        if self.cluster is not None and session.subscriptions:
+            self.cluster.presence(session, True)
         session.expiry_interval = expiry
         session.expires_at = None
         session.will_at = None
@@ -372,6 +374,8 @@ class Router:
         old.session = None
         self.online -= 1
         session.conn = None
+        if self.cluster is not None and session.subscriptions:
+            self.cluster.presence(session, False)
         session.resend = ()
         if session.will is not None and (clean or not session.will_delay):
             self._publish_will(session)
@@ -402,6 +406,8 @@ class Router:
     def connection_lost(self, session, publish_will=True, reason=None):
         """The client's connection closed (any way other than takeover)."""
         session.conn = None
+        if self.cluster is not None and session.subscriptions:
+            self.cluster.presence(session, False)
         session.generation += 1
         session.resend = ()
         self.online -= 1
@@ -760,7 +766,7 @@ class Router:
     def _add_subscription(self, session, sub):
         session.match_cache = None
         if self.cluster is not None:
-            self.cluster.subscribed(sub.group, sub.filter)
+            self.cluster.subscribed(sub.group, sub.filter, session.conn is not None)
         if sub.group is None:
             self.subs.insert(sub.filter, session.client_id, sub)
             return
@@ -773,7 +779,7 @@ class Router:
     def _remove_subscription(self, session, sub):
         session.match_cache = None
         if self.cluster is not None:
-            self.cluster.unsubscribed(sub.group, sub.filter)
+            self.cluster.unsubscribed(sub.group, sub.filter, session.conn is not None)
         if sub.group is None:
             self.subs.remove(sub.filter, session.client_id)
             return

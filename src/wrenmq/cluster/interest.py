@@ -37,29 +37,56 @@ def parse_route_key(rest):
 
 
 class LocalInterest:
-    """Reference counts of this node's filters: a key changes only on 0 -> 1 and 1 -> 0."""
+    """Reference counts of this node's filters: a key changes only on 0 -> 1 and 1 -> 0.
 
-    __slots__ = ("counts",)
+    For a shared group it also counts the members whose client is connected: the key's
+    value says whether there is one (b"1") or not (b"0"), so the other nodes send the
+    group's messages where a member can take them now."""
+
+    __slots__ = ("counts", "online")
 
     def __init__(self):
         self.counts = {}  # (group, filter) -> subscriptions
+        self.online = {}  # (share name, filter) -> members connected now
 
-    def add(self, group, flt):
-        """True if this is the first subscription to (group, flt) here."""
+    def add(self, group, flt, online=False):
+        """True if (group, flt)'s key must be written: its first subscription here, or
+        its first connected member."""
         key = (group, flt)
         n = self.counts.get(key, 0)
         self.counts[key] = n + 1
-        return n == 0
+        flipped = self.connected(group, flt, 1) if online and group is not None else False
+        return n == 0 or flipped
 
-    def remove(self, group, flt):
-        """True if that was the last one."""
+    def remove(self, group, flt, online=False):
+        """"delete" if that was the last subscription, "update" if the last connected
+        member of a group left but others remain, else None."""
         key = (group, flt)
+        flipped = self.connected(group, flt, -1) if online and group is not None else False
         n = self.counts.get(key, 0)
         if n <= 1:
             self.counts.pop(key, None)
-            return n == 1
+            return "delete" if n == 1 else None
         self.counts[key] = n - 1
-        return False
+        return "update" if flipped else None
+
+    def connected(self, group, flt, delta):
+        """A member of group (group, flt) connected (+1) or disconnected (-1); True if
+        whether one is connected changed."""
+        key = (group, flt)
+        n = self.online.get(key, 0)
+        m = n + delta
+        if m <= 0:
+            self.online.pop(key, None)
+            return n > 0
+        self.online[key] = m
+        return n == 0
+
+    def value(self, group, flt):
+        """The etcd value of the key: b"" for a plain filter, b"1"/b"0" for a group."""
+        if group is None:
+            return b""
+        return b"1" if self.online.get((group, flt)) else b"0"
 
 
 class RemoteInterest:
@@ -69,19 +96,23 @@ class RemoteInterest:
 
     def __init__(self):
         self._normal = TopicTrie()  # filter -> {node: True}
-        self._shared = TopicTrie()  # filter -> {(share name, node): filter}
+        self._shared = TopicTrie()  # filter -> {(share name, node): (filter, has a connected member)}
         self._cache = {}
         self.by_node = {}  # node -> set of (group, filter), to drop a node at once
 
-    def add(self, node, group, flt):
+    def add(self, node, group, flt, online=True):
+        """Node `node` subscribes to `flt` (group: share name or None); for a group,
+        `online` says whether one of its members there is connected."""
         keys = self.by_node.setdefault(node, set())
-        if (group, flt) in keys:
-            return
-        keys.add((group, flt))
         if group is None:
+            if (group, flt) in keys:
+                return
             self._normal.insert(flt, node, True)
         else:
-            self._shared.insert(flt, (group, node), flt)
+            if (group, flt) in keys and self._shared.get(flt, (group, node)) == (flt, online):
+                return
+            self._shared.insert(flt, (group, node), (flt, online))
+        keys.add((group, flt))
         self._cache.clear()
 
     def remove(self, node, group, flt):
@@ -105,7 +136,8 @@ class RemoteInterest:
             self.drop_node(node)
 
     def match(self, topic):
-        """(nodes with a matching filter, {(share name, filter): nodes with members})."""
+        """(nodes with a matching filter, {(share name, filter): (nodes with a connected
+        member, nodes with members)})."""
         hit = self._cache.get(topic)
         if hit is not None:
             return hit
@@ -114,9 +146,14 @@ class RemoteInterest:
             nodes.update(values)
         shared = {}
         for values in self._shared.match(topic):
-            for (group, node), flt in values.items():
-                shared.setdefault((group, flt), []).append(node)
-        hit = (frozenset(nodes), {k: tuple(sorted(v)) for k, v in shared.items()})
+            for (group, node), (flt, online) in values.items():
+                entry = shared.get((group, flt))
+                if entry is None:
+                    entry = shared[(group, flt)] = ([], [])
+                entry[1].append(node)
+                if online:
+                    entry[0].append(node)
+        hit = (frozenset(nodes), {k: (tuple(sorted(on)), tuple(sorted(every))) for k, (on, every) in shared.items()})
         if len(self._cache) > 100_000:
             self._cache.clear()
         self._cache[topic] = hit

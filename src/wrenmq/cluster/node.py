@@ -309,8 +309,9 @@ class Cluster:
         self._pending_clients.clear()
         for cid, session in router.sessions.items():
             for sub in session.subscriptions.values():
-                if local.add(sub.group, sub.filter):
-                    self._pending[route_key(self.prefix, self.node, sub.group, sub.filter)] = b""
+                if local.add(sub.group, sub.filter, session.conn is not None):
+                    self._pending[route_key(self.prefix, self.node, sub.group, sub.filter)] = \
+                        local.value(sub.group, sub.filter)
             self._register_client(cid)
         router.cluster = self
         await self._flush_pending()
@@ -435,7 +436,7 @@ class Cluster:
             if value is None:
                 self.remote.remove(node, group, flt)
             else:
-                self.remote.add(node, group, flt)
+                self.remote.add(node, group, flt, value != b"0")
             return None
         if rest.startswith(CLIENTS) and value is not None:
             cid = rest[len(CLIENTS):]
@@ -458,15 +459,28 @@ class Cluster:
 
     # --- what the router tells ----------------------------------------------------
 
-    def subscribed(self, group, flt):
-        if self.local.add(group, flt):
-            self._pending[route_key(self.prefix, self.node, group, flt)] = b""
+    def subscribed(self, group, flt, online=False):
+        if self.local.add(group, flt, online):
+            self._pending[route_key(self.prefix, self.node, group, flt)] = self.local.value(group, flt)
             self._kick()
 
-    def unsubscribed(self, group, flt):
-        if self.local.remove(group, flt):
-            self._pending[route_key(self.prefix, self.node, group, flt)] = None
+    def unsubscribed(self, group, flt, online=False):
+        change = self.local.remove(group, flt, online)
+        if change is not None:
+            self._pending[route_key(self.prefix, self.node, group, flt)] = \
+                None if change == "delete" else self.local.value(group, flt)
             self._kick()
+
+    def presence(self, session, online):
+        """`session`'s client connected (True) or went (False): its shared groups' keys
+        say whether a member here can take a message now."""
+        delta = 1 if online else -1
+        local = self.local
+        for sub in session.subscriptions.values():
+            if sub.group is not None and local.connected(sub.group, sub.filter, delta):
+                self._pending[route_key(self.prefix, self.node, sub.group, sub.filter)] = \
+                    local.value(sub.group, sub.filter)
+                self._kick()
 
     def _register_client(self, cid):
         self._pending[f"{self.prefix}{CLIENTS}{cid}".encode()] = self.node.encode()
@@ -659,19 +673,26 @@ class Cluster:
             keep = []
             seen = set()
             me = self.node
+            # One node per group: among those with a connected member, round robin; if
+            # none has one, among all that have members (the message waits in a queue).
             for g in local_groups:
                 key = (g.name, g.filter)
                 seen.add(key)
                 others = shared.get(key)
                 if others:
-                    choice = self.picker.pick(key, (me,) + others)
+                    online, every = others
+                    if any(m.session.conn is not None for m in g.members):
+                        nodes_for = (me,) + online
+                    else:
+                        nodes_for = online or (me,) + every
+                    choice = self.picker.pick(key, nodes_for)
                     if choice != me:
                         groups_for.setdefault(choice, []).append(key)
                         continue
                 keep.append(g)
-            for key, others in shared.items():
+            for key, (online, every) in shared.items():
                 if key not in seen:
-                    groups_for.setdefault(self.picker.pick(key, others), []).append(key)
+                    groups_for.setdefault(self.picker.pick(key, online or every), []).append(key)
             if len(keep) != len(local_groups):
                 hit = (hit[0], tuple(keep))
         delivered = router.route(msg, hit)

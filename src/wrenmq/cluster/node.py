@@ -9,6 +9,7 @@ lease, so a node that dies leaves the cluster when its lease runs out:
     nodes/<node>                     {"link": "host:port"}: where its link listens
     routes/<node>/n/<filter>         it has subscribers to <filter>
     routes/<node>/s/<share>/<filter> it has members of $share/<share>/<filter>
+                                     (value 1 while one of them is connected, else 0)
     clients/<client id>              <node>: the client's last connection is there
 
 Every node watches the prefix. A PUBLISH accepted on one node is written to each
@@ -16,8 +17,10 @@ node with a matching filter over a link (one TCP connection per direction), once
 per node; a retained message (or a clear) goes to every node, and a link that comes
 up first sends the retained messages its node holds. A shared group gets each
 message once across the cluster: the accepting node picks one node among those
-with members, round robin. A client that connects to a node ends its session on
-any other node (a live connection there is closed with 0x8E, session taken over).
+with a connected member (any with members if none), round robin. A client that
+connects to a node with clean start 0 has its session handed over from the node
+that held it (handover.py); with clean start 1 its session elsewhere ends (a live
+connection there is closed with 0x8E, session taken over).
 """
 
 import asyncio

@@ -28,28 +28,10 @@ import threading
 import time
 from pathlib import Path
 
+from ..ports import free_port, wait_port
 from .harness import bench_setup
 
 _CONNECT = bytes.fromhex("101000044d5154540402003c0004") + b"bsub"  # 3.1.1, clean, keepalive 60, id "bsub"
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port, proc, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"port {port} not listening")
 
 
 class Counter:
@@ -148,13 +130,13 @@ def _probe_until_seen(port, counter, timeout=10.0):
 
 
 def _serve(exe, tmp, name, cfg_text):
-    port = _free_port()
+    port = free_port()
     cfg = tmp / f"{name}.toml"
     cfg.write_text(cfg_text)
     log = open(tmp / f"{name}.log", "ab")
     proc = subprocess.Popen([exe, "serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning"],
                             stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
-    _wait_port(port, proc)
+    wait_port(port, proc, what=name)
     return proc, port
 
 
@@ -175,19 +157,19 @@ def main(argv=None):
     tmp = Path(tempfile.mkdtemp(prefix="wrenmq-bench-cluster-"))
     procs = []
     try:
-        cport, pport = _free_port(), _free_port()
+        cport, pport = free_port(), free_port()
         etcd_proc = subprocess.Popen(
             [etcd, "--data-dir", str(tmp / "etcd"), "--listen-client-urls", f"http://127.0.0.1:{cport}",
              "--advertise-client-urls", f"http://127.0.0.1:{cport}", "--listen-peer-urls", f"http://127.0.0.1:{pport}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}", "--initial-cluster",
              f"default=http://127.0.0.1:{pport}"], stdout=open(tmp / "etcd.log", "ab"), stderr=subprocess.STDOUT)
         procs.append(etcd_proc)
-        _wait_port(cport, etcd_proc)
+        wait_port(cport, etcd_proc, what="etcd")
         base = "[storage]\nmode = \"memory\"\n[sys]\ninterval = 0\n"
 
         def node(name):
             return base + (f"[cluster]\nenabled = true\nname = \"bench\"\nnode = \"{name}\"\n"
-                           f"etcd = [\"127.0.0.1:{cport}\"]\nport = {_free_port()}\n")
+                           f"etcd = [\"127.0.0.1:{cport}\"]\nport = {free_port()}\n")
 
         single, sport = _serve(exe, tmp, "single", base)
         a, aport = _serve(exe, tmp, "a", node("a"))

@@ -822,15 +822,8 @@ class Router:
         persist = self.persist
         if hit[2] is not None:
             persist.store.append(msg, packet_id, hit[2].topic)
-        if msg.retain:
-            if not msg.payload:
-                self.retained.delete(msg.topic)
-                if persist is not None:
-                    persist.retained_changed(msg)
-            elif not msg.client_id or not self._over_retained_limits(msg):
-                self.retained.set(msg.topic, msg)
-                if persist is not None:
-                    persist.retained_changed(msg)
+        if msg.retain and (not msg.payload or not msg.client_id or not self._over_retained_limits(msg)):
+            self._retain(msg)
         if self.cluster is not None:
             return self.cluster.route(msg, hit)
         return self.route(msg, hit)
@@ -846,21 +839,13 @@ class Router:
         still gets it written, as `_deliver` does for any unrecorded message).
         """
         topic = msg.topic
-        persist = self.persist
         if sync:
             old = self.retained.get(topic)
             if old is None or old.timestamp < msg.timestamp:
-                self.retained.set(topic, msg)
-                if persist is not None:
-                    persist.retained_changed(msg)
+                self._retain(msg)
             return False
         if retained:
-            if not msg.payload:
-                self.retained.delete(topic)
-            else:
-                self.retained.set(topic, msg)
-            if persist is not None:
-                persist.retained_changed(msg)
+            self._retain(msg)
         hit = self._matches.get(topic)
         if hit is None:
             hit = self._match(topic)
@@ -940,6 +925,15 @@ class Router:
         if session.conn is not None:
             self._take_over(session, True)
         self.end_session(session)  # the session ends: a will still pending is published
+
+    def _retain(self, msg):
+        """Keep `msg` as its topic's retained message (an empty one clears it), on disk too."""
+        if msg.payload:
+            self.retained.set(msg.topic, msg)
+        else:
+            self.retained.delete(msg.topic)
+        if self.persist is not None:
+            self.persist.retained_changed(msg)
 
     def _over_retained_limits(self, msg):
         """True (counted, logged at most once a second) if retaining a client's `msg` would

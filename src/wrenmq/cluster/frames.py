@@ -11,6 +11,7 @@ expiry use the codec every client connection already uses.
 import json
 import struct
 
+from ..broker.message import Message, message_properties
 from ..mqtt import constants as C
 from ..mqtt.codec import Decoder, MQTTError, decode
 
@@ -32,6 +33,21 @@ _U16 = struct.Struct(">H")
 
 class FrameError(ValueError):
     """A peer sent something that is not a frame of this format: close that link."""
+
+
+def publish_bytes(msg, now):
+    """A message as it travels between nodes: its MQTT 5 PUBLISH (QoS and retain its own,
+    the expiry what is left of it at `now`)."""
+    return msg.encode(True, msg.qos, msg.retain, 1 if msg.qos else 0, now=now)
+
+
+def message_from(pkt, client_id, timestamp, now):
+    """The Message a `publish_bytes` PUBLISH came from (its expiry counted from `now`)."""
+    props = message_properties(pkt.properties) if pkt.properties else {}
+    interval = props.get("message_expiry_interval")
+    payload = pkt.payload if pkt.payload.__class__ is bytes else bytes(pkt.payload)
+    return Message(pkt.topic, payload, pkt.qos, pkt.retain, props,
+                   now + interval if interval is not None else None, client_id, None, None, True, timestamp)
 
 
 def encode_hello(cluster, node, secret):

@@ -9,13 +9,9 @@ order. The asking node rebuilds it with `build_session` and the CONNECT resumes 
 as if it had never left (CONNACK session present 1).
 """
 
-from ..broker.message import Message, message_properties
 from ..broker.session import Outgoing, Session, Subscription
 from ..broker.topics import parse_shared
-
-
-def _publish_bytes(msg, now):
-    return msg.encode(True, msg.qos, msg.retain, 1 if msg.qos else 0, now=now)
+from .frames import message_from, publish_bytes
 
 
 def session_state(session, request_id, now, max_bytes):
@@ -33,7 +29,7 @@ def session_state(session, request_id, now, max_bytes):
         msg = out.msg
         if not out.released and msg.expired(now):
             continue
-        p = _publish_bytes(msg, now)
+        p = publish_bytes(msg, now)
         if size + len(p) > max_bytes:
             dropped += 1
             continue
@@ -66,12 +62,7 @@ def build_session(state, pkts, clock, since):
     queued = []
     now = clock()
     for (where, pid, qos, retain, released, sub_ids, cid, ts), pkt in zip(state["msgs"], pkts):
-        props = message_properties(pkt.properties) if pkt.properties else {}
-        interval = props.get("message_expiry_interval")
-        payload = pkt.payload if pkt.payload.__class__ is bytes else bytes(pkt.payload)
-        msg = Message(pkt.topic, payload, pkt.qos, pkt.retain, props,
-                      now + interval if interval is not None else None, cid, None, None, False, ts)
-        out = Outgoing(msg, int(qos), bool(retain), tuple(sub_ids))
+        out = Outgoing(message_from(pkt, cid, ts, now), int(qos), bool(retain), tuple(sub_ids))
         if where == "i":
             pid = int(pid)
             out.packet_id = pid

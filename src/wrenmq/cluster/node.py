@@ -31,8 +31,7 @@ import socket
 import ssl
 import time
 
-from ..broker.message import Message, message_properties
-from . import ClusterError
+from . import ClusterError, etcd_client
 from . import frames as F
 from .handover import build_session, session_state
 from .interest import CLIENTS, NODES, ROUTES, LocalInterest, RemoteInterest, SharedPicker, parse_route_key, route_key
@@ -203,11 +202,6 @@ class Cluster:
 
     async def start(self):
         """Listen for links, join through etcd; raises ClusterError if that fails."""
-        try:
-            import aetcd
-        except ImportError:
-            raise ClusterError("[cluster] enabled needs the etcd client: pip install 'wrenmq[cluster]'") from None
-
         self.loop = asyncio.get_running_loop()
         cfg = self.cfg
         self.tls_server = self.tls_client = None
@@ -224,19 +218,18 @@ class Cluster:
             self.node = cluster_node_name(config) if config.listener[0].port else f"{socket.gethostname()}-{port}"
         last = None
         for endpoint in cfg.etcd:
-            host, _, eport = endpoint.rpartition(":")
-            client = aetcd.Client(host=host or "127.0.0.1", port=int(eport), timeout=cfg.etcd_timeout,
-                                  connect_wait_timeout=max(1, int(cfg.etcd_timeout)),
-                                  username=cfg.etcd_username or None, password=cfg.etcd_password or None)
+            client = None
             try:
+                client = etcd_client(cfg, endpoint)
                 await client.connect()
                 await client.status()
                 self.etcd = client
                 self.endpoint = endpoint
                 break
-            except Exception as e:  # any failure: try the next endpoint
+            except Exception as e:  # any failure (no etcd client installed included): the next endpoint
                 last = e
-                await client.close()
+                if client is not None:
+                    await client.close()
         if self.etcd is None:
             self.server.close()
             raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)} ([cluster] etcd): {last}")
@@ -635,7 +628,7 @@ class Cluster:
             for msg in retained[i:i + _SYNC_CHUNK]:
                 if msg.topic.startswith("$SYS") or msg.expired(now):
                     continue
-                t.write(F.encode_forward(self._publish_bytes(msg, now), F.SYNC, msg.client_id, msg.timestamp))
+                t.write(F.encode_forward(F.publish_bytes(msg, now), F.SYNC, msg.client_id, msg.timestamp))
             if t.is_closing():
                 return
             await asyncio.sleep(0)
@@ -648,10 +641,6 @@ class Cluster:
         return node
 
     # --- messages ----------------------------------------------------------------------
-
-    @staticmethod
-    def _publish_bytes(msg, now):
-        return msg.encode(True, msg.qos, msg.retain, 1 if msg.qos else 0, now=now)
 
     def wanted(self, topic):
         """True if another node has a filter (or a shared group) matching `topic`."""
@@ -705,7 +694,7 @@ class Cluster:
         now = router.clock()
         if msg.expired(now):
             return delivered
-        body = self._publish_bytes(msg, now)
+        body = F.publish_bytes(msg, now)
         peers = self.peers
         targets = peers if retain else (nodes | groups_for.keys() if groups_for else nodes)
         for name in targets:
@@ -725,13 +714,7 @@ class Cluster:
         if peer.up and link is not None:
             if peer.out_bytes + peer.backlog < self.link_buffer or \
                     peer.out_bytes + self._refresh_backlog(peer) < self.link_buffer:
-                if not peer.out:
-                    self._dirty.append(peer)
-                    if not self._flush_scheduled:
-                        self._flush_scheduled = True
-                        self.loop.call_soon(self._flush_links)
-                peer.out.append(frame)
-                peer.out_bytes += len(frame)
+                self._append_out(peer, frame)
                 peer.sent += 1
                 self.forwarded += 1
                 return
@@ -745,6 +728,16 @@ class Cluster:
         if peer.dropped & (peer.dropped - 1) == 0:  # 1, 2, 4, 8...: a flood is a few lines
             log.warning("cluster: link to node %s is %s; %d message(s) for it dropped so far", peer.name,
                         "full" if peer.up else "down", peer.dropped)
+
+    def _append_out(self, peer, frame):
+        """Into the peer's frames of this loop turn (written by `_flush_links` at its end)."""
+        if not peer.out:
+            self._dirty.append(peer)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                self.loop.call_soon(self._flush_links)
+        peer.out.append(frame)
+        peer.out_bytes += len(frame)
 
     @staticmethod
     def _refresh_backlog(peer):
@@ -773,15 +766,9 @@ class Cluster:
     def _received(self, body, decoder=None):
         flags, cid, ts, groups, pkt = F.decode_forward(body, decoder)
         router = self.router
-        props = message_properties(pkt.properties) if pkt.properties else {}
-        interval = props.get("message_expiry_interval")
-        expiry = router.clock() + interval if interval is not None else None
-        payload = pkt.payload
-        if payload.__class__ is not bytes:
-            payload = bytes(payload)
-        msg = Message(pkt.topic, payload, pkt.qos, pkt.retain, props, expiry, cid, None, None, True, ts)
+        msg = F.message_from(pkt, cid, ts, router.clock())
         self.received += 1
-        if not pkt.qos and not pkt.retain and expiry is None:
+        if not pkt.qos and not pkt.retain and msg.expiry is None:
             msg.packet = pkt  # 5.0 subscribers get the PUBLISH bytes as they came
         router.receive_forwarded(msg, flags & F.TO_SUBSCRIBERS, flags & F.SET_RETAINED, flags & F.SYNC,
                                  frozenset(groups) if groups else ())
@@ -859,15 +846,8 @@ class Cluster:
     def _send_control(self, peer, frame):
         """A frame that is never dropped for space (small, or a session): after this turn's
         other frames for the peer, or queued for its link."""
-        link = peer.link
-        if peer.up and link is not None:
-            if not peer.out:
-                self._dirty.append(peer)
-                if not self._flush_scheduled:
-                    self._flush_scheduled = True
-                    self.loop.call_soon(self._flush_links)
-            peer.out.append(frame)
-            peer.out_bytes += len(frame)
+        if peer.up and peer.link is not None:
+            self._append_out(peer, frame)
         else:
             peer.queue.append(frame)
             peer.queued += len(frame)

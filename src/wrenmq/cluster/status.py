@@ -7,23 +7,16 @@ ones apart) and how many clients' last connection is there.
 import asyncio
 import json
 
-from . import ClusterError
+from . import ClusterError, etcd_client
 from .interest import CLIENTS, NODES, ROUTES, parse_route_key
 
 
 async def read_status(cfg):
     """{node: {"link", "filters", "shared", "clients"}} from etcd (cfg: a [cluster] section)."""
-    try:
-        import aetcd
-    except ImportError:
-        raise ClusterError("needs the etcd client: pip install 'wrenmq[cluster]'") from None
     prefix = f"/wrenmq/{cfg.name}/"
     last = None
     for endpoint in cfg.etcd:
-        host, _, port = endpoint.rpartition(":")
-        client = aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=cfg.etcd_timeout,
-                              connect_wait_timeout=max(1, int(cfg.etcd_timeout)),
-                              username=cfg.etcd_username or None, password=cfg.etcd_password or None)
+        client = etcd_client(cfg, endpoint)
         try:
             got = await client.get_prefix(prefix.encode())
             break

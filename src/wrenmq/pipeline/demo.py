@@ -11,33 +11,15 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
+from ..ports import free_port, wait_port
+
 SITES = ("site-a", "site-b", "site-c")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port, proc, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the broker exited with status {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"the broker is not listening on port {port}")
 
 
 class Fleet:
@@ -138,7 +120,7 @@ def demo(devices=200, seconds=60.0, interval=1.0, workdir=None, port=0, master=N
     workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="wrenmq-demo-"))
     data = os.path.join(workdir, "data")
     lake = os.path.join(workdir, "lake")
-    port = port or _free_port()
+    port = port or free_port()
     os.makedirs(data, exist_ok=True)
     console.rule("[bold]wrenmq demo")
     console.print(f"work dir {workdir}\nbroker   127.0.0.1:{port} (data dir {data})")
@@ -150,7 +132,7 @@ def demo(devices=200, seconds=60.0, interval=1.0, workdir=None, port=0, master=N
     fleet = None
     spark = None
     try:
-        _wait_port(port, broker)
+        wait_port(port, broker)
         fleet = Fleet(port, devices, interval)
         fleet.start()
         console.print(f"fleet    {devices} devices publishing JSON telemetry every {interval:g} s "

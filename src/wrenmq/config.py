@@ -216,9 +216,10 @@ class ClusterSection:
     certfile: str = _key("", "tls: this node's PEM certificate (chain), for both ends of its links.")
     keyfile: str = _key("", "tls: its private key; empty if certfile holds the key too.")
     cafile: str = _key("", "tls: PEM CA certificate(s) that sign the nodes' certificates.")
-    link_buffer: int = _key(67108864, "Bytes waiting for one other node, at most: past it, messages "
-                            "for that node are dropped and counted (a slow or dead node cannot "
-                            "fill this one's memory).", 65536)
+    link_buffer: int = _key(67108864, "Bytes waiting for one other node, at most (a slow or dead node "
+                            "cannot fill this one's memory): past it, what the commit log records "
+                            "waits there and is replayed once the link drains or comes back; other "
+                            "messages for that node are dropped and counted.", 65536)
 
 
 @dataclass

@@ -738,6 +738,7 @@ class Router:
             existed = t.filter in session.subscriptions
             sub = Subscription(flt, qos, t.no_local, t.retain_as_published, t.retain_handling,
                                sub_id, group, session)
+            sub.created = session.subscriptions[t.filter].created if existed else self.rx_time
             if self.persist is not None:
                 # A re-subscription keeps its place: what the old one still owes is owed.
                 sub.since = session.subscriptions[t.filter].since if existed else self.persist.next_offset
@@ -828,13 +829,15 @@ class Router:
             return self.cluster.route(msg, hit)
         return self.route(msg, hit)
 
-    def receive_forwarded(self, msg, subscribers, retained, sync, groups):
+    def receive_forwarded(self, msg, subscribers, retained, sync, groups, replayed=False):
         """A message another node accepted (cluster link): deliver it here, never onwards.
 
         `subscribers`: to the matching non-shared subscribers; `retained`: update the
         retained store (a clear when empty); `sync`: a retained message sent when the
         link came up, kept only if newer than the one held; `groups`: (share name,
-        filter) pairs chosen to deliver to one member here. Not recorded in this node's
+        filter) pairs chosen to deliver to one member here; `replayed`: sent again from
+        the other node's log after its link was down or behind, so only for
+        subscriptions made before it was published. Not recorded in this node's
         log: the node that accepted it did (a persistent session here that is owed it
         still gets it written, as `_deliver` does for any unrecorded message).
         """
@@ -845,11 +848,18 @@ class Router:
                 self._retain(msg)
             return False
         if retained:
-            self._retain(msg)
+            old = self.retained.get(topic) if replayed else None
+            if old is None or old.timestamp <= msg.timestamp:
+                self._retain(msg)
         hit = self._matches.get(topic)
         if hit is None:
             hit = self._match(topic)
         normal = hit[0] if subscribers else ()
+        if replayed and normal:
+            ts = msg.timestamp
+            normal = tuple(e for e in normal if any(
+                s.created <= ts and s.group is None and topic_matches(s.filter, topic)
+                for s in e[0].subscriptions.values()))
         local = tuple(g for g in hit[1] if (g.name, g.filter) in groups) if groups else ()
         return self.route(msg, (normal, local))
 

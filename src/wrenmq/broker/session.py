@@ -14,7 +14,7 @@ class Subscription:
     """One subscription of one session; `group` is the share name for $share filters."""
 
     __slots__ = ("filter", "qos", "no_local", "retain_as_published", "retain_handling",
-                 "sub_id", "group", "session", "since")
+                 "sub_id", "group", "session", "since", "created")
 
     def __init__(self, filter, qos, no_local=False, retain_as_published=False, retain_handling=0,
                  sub_id=None, group=None, session=None):
@@ -27,6 +27,9 @@ class Subscription:
         self.group = group
         self.session = session
         self.since = 0  # log offset when subscribed: earlier messages are not for it
+        # Wall clock when a client made it here (0: restored or handed over, older than
+        # anything): a message another node replays from its log is not for it if older.
+        self.created = 0.0
 
     @property
     def full_filter(self):

@@ -1,11 +1,15 @@
 """The node-to-node link's wire format: sans-IO, bytes in and frames out.
 
 A link carries frames `u32 length | u8 kind | body` (the length counts kind and
-body). The first frame on a link is HELLO (JSON: cluster, node, secret). A message
-travels as FORWARD: a small binary header (what the receiver does with it, the
-publisher's client id and arrival time, the shared groups it is for) followed by
-the message as an MQTT 5 PUBLISH, so properties, QoS, retain and the remaining
-expiry use the codec every client connection already uses.
+body). The first frame on a link is HELLO (JSON: cluster, node, secret, and the
+sender's commit log: its identity, and the first offset this run of the sender
+wrote, with an identity of the run); the
+receiving node answers RESUME (how far in that log it has what was sent to it).
+A message travels as FORWARD: a small binary header (its offset in the sender's
+log or -1, what the receiver does with it, the publisher's client id and arrival
+time, the shared groups it is for) followed by the message as an MQTT 5 PUBLISH,
+so properties, QoS, retain and the remaining expiry use the codec every client
+connection already uses.
 """
 
 import json
@@ -19,15 +23,17 @@ HELLO = 1
 FORWARD = 2
 SESSION_ASK = 3  # "hand me client X's session": JSON {"id", "cid"}
 SESSION = 4  # the answer: JSON state, then the messages it owes as PUBLISHes
+RESUME = 5  # answer to HELLO: JSON {"offset"}: the last offset of the sender's log received, or -1
 
 # FORWARD flags: what the receiving node does with the message.
 TO_SUBSCRIBERS = 1  # deliver to its (non-shared) subscribers that match
 SET_RETAINED = 2  # a retained message (or a clear): update the retained store
 SYNC = 4  # a retained message sent when the link came up: keep it only if newer
+REPLAYED = 8  # sent again from the sender's log: only for subscriptions older than the message
 
 _FRAME = struct.Struct(">IB")
 _U32 = struct.Struct(">I")
-_FORWARD = struct.Struct(">BdH")
+_FORWARD = struct.Struct(">qBdH")
 _U16 = struct.Struct(">H")
 
 
@@ -50,26 +56,46 @@ def message_from(pkt, client_id, timestamp, now):
                    now + interval if interval is not None else None, client_id, None, None, True, timestamp)
 
 
-def encode_hello(cluster, node, secret):
-    body = json.dumps({"cluster": cluster, "node": node, "secret": secret}).encode()
+def encode_hello(cluster, node, secret, log_id="", log_from=0, run=""):
+    """`log_id`: the identity of the sender's commit log ("" if it has none to replay
+    from); `log_from`: the first offset this run of the sender wrote (everything before
+    it is on its disk); `run`: an identity of the sender's process."""
+    body = json.dumps({"cluster": cluster, "node": node, "secret": secret, "log": log_id,
+                       "from": log_from, "run": run}).encode()
     return _FRAME.pack(len(body) + 1, HELLO) + body
 
 
 def decode_hello(body):
+    """(cluster, node, secret, log id, log from, run)."""
     try:
         hello = json.loads(bytes(body))
-        return str(hello["cluster"]), str(hello["node"]), str(hello.get("secret", ""))
-    except (ValueError, KeyError, TypeError) as e:
+        return (str(hello["cluster"]), str(hello["node"]), str(hello.get("secret", "")),
+                str(hello.get("log", "")), int(hello.get("from", 0)), str(hello.get("run", "")))
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise FrameError(f"malformed HELLO: {e}") from None
 
 
-def encode_forward(publish, flags, client_id, timestamp, groups=()):
+def encode_resume(offset):
+    body = json.dumps({"offset": offset}).encode()
+    return _FRAME.pack(len(body) + 1, RESUME) + body
+
+
+def decode_resume(body):
+    try:
+        return int(json.loads(bytes(body))["offset"])
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
+        raise FrameError(f"malformed RESUME: {e}") from None
+
+
+def encode_forward(publish, flags, client_id, timestamp, groups=(), offset=-1):
     """FORWARD frame around `publish` (the message's MQTT 5 PUBLISH bytes).
 
     `groups`: (share name, filter) pairs the receiver gives the message to one member of.
+    `offset`: the message's offset in the sender's commit log, if the sender would
+    replay it from there after a link failure (else -1).
     """
     cid = client_id.encode()
-    parts = [b"", _FORWARD.pack(flags, timestamp, len(cid)), cid, _U16.pack(len(groups))]
+    parts = [b"", _FORWARD.pack(offset, flags, timestamp, len(cid)), cid, _U16.pack(len(groups))]
     for name, flt in groups:
         g = f"{name}\x00{flt}".encode()
         parts.append(_U16.pack(len(g)))
@@ -86,9 +112,9 @@ def forward_decoder():
 
 
 def decode_forward(body, decoder=None):
-    """(flags, client id, timestamp, groups, Publish) of a FORWARD body."""
+    """(flags, client id, timestamp, groups, Publish, offset) of a FORWARD body."""
     try:
-        flags, ts, n = _FORWARD.unpack_from(body, 0)
+        offset, flags, ts, n = _FORWARD.unpack_from(body, 0)
         pos = _FORWARD.size
         cid = bytes(body[pos:pos + n]).decode()
         pos += n
@@ -115,7 +141,7 @@ def decode_forward(body, decoder=None):
         raise FrameError(f"malformed FORWARD: {e}") from None
     if pkt is None or pkt.TYPE != C.PUBLISH:
         raise FrameError("FORWARD does not hold one PUBLISH")
-    return flags, cid, ts, groups, pkt
+    return flags, cid, ts, groups, pkt, offset
 
 
 def encode_session_ask(request_id, client_id):

@@ -15,7 +15,17 @@ lease, so a node that dies leaves the cluster when its lease runs out:
 Every node watches the prefix. A PUBLISH accepted on one node is written to each
 node with a matching filter over a link (one TCP connection per direction), once
 per node; a retained message (or a clear) goes to every node, and a link that comes
-up first sends the retained messages its node holds. A shared group gets each
+up first sends the retained messages its node holds.
+
+What the commit log records reaches the other nodes at least once, and each node
+takes it once: a FORWARD carries the message's offset in the sender's log, the
+receiver remembers the last offset it took from each sender's log and drops any
+it has had. When a link comes up (after a failure, a restart of either side, or
+a `kill -9` of the sender), the receiver says in RESUME how far it got, and the
+sender replays from its log what matches the receiver's filters from there
+before it goes live again. A link that falls behind by [cluster] link_buffer
+does the same once it drains, instead of dropping: the log, not memory, holds
+the backlog. A shared group gets each
 message once across the cluster: the accepting node picks one node among those
 with a connected member (any with members if none), round robin. A client that
 connects to a node with clean start 0 has its session handed over from the node
@@ -30,6 +40,7 @@ import logging
 import socket
 import ssl
 import time
+import uuid
 
 from . import ClusterError, etcd_client
 from . import frames as F
@@ -52,9 +63,9 @@ class Peer:
     """Another node and this node's outgoing link to it."""
 
     __slots__ = ("name", "address", "link", "queue", "queued", "task", "dropped", "sent", "up", "out", "out_bytes",
-                 "backlog")
+                 "backlog", "resume_from", "replayed", "catch_up")
 
-    def __init__(self, name, address):
+    def __init__(self, name, address, resume_from):
         self.name = name
         self.address = address
         self.link = None  # _OutLink once connected
@@ -67,22 +78,37 @@ class Peer:
         self.out = []  # frames of this loop turn, written together at its end
         self.out_bytes = 0
         self.backlog = 0  # what the link's transport held after the last write
+        # The first offset of this node's log the peer was not sent live: where a replay
+        # starts if the peer does not know (it restarted).
+        self.resume_from = resume_from
+        self.replayed = 0
+        self.catch_up = None  # the task replaying to a link that fell behind
 
 
 class _OutLink(asyncio.Protocol):
-    """This node's frames to one peer; the peer sends nothing back."""
+    """This node's frames to one peer; the peer answers the HELLO with RESUME, then is silent."""
 
     def __init__(self, cluster, peer):
         self.cluster = cluster
         self.peer = peer
         self.transport = None
-        self.closed = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.closed = loop.create_future()
+        self.resume = loop.create_future()  # the peer's RESUME: the last offset of our log it has
+        self.reader = F.FrameReader(_HELLO_BYTES)
 
     def connection_made(self, transport):
         self.transport = transport
 
     def data_received(self, data):
-        pass
+        try:
+            for kind, body in self.reader.feed(data):
+                if kind != F.RESUME or self.resume.done():
+                    raise F.FrameError(f"unexpected frame kind {kind}")
+                self.resume.set_result(F.decode_resume(body))
+        except F.FrameError as e:
+            log.warning("closing the link to %s: %s", self.peer.name, e)
+            self.transport.abort()
 
     def connection_lost(self, exc):
         if not self.closed.done():
@@ -98,6 +124,7 @@ class _InLink(asyncio.Protocol):
         self.reader = F.FrameReader(_HELLO_BYTES)  # until HELLO: what a stranger can make us hold
         self.decoder = F.forward_decoder()
         self.peer = None
+        self.mark = None  # [sender's log id, last offset of it taken, its run] (Cluster.applied)
         self.transport = None
         self.timer = None
 
@@ -122,13 +149,14 @@ class _InLink(asyncio.Protocol):
         try:
             for kind, body in self.reader.feed(data):
                 if kind == F.FORWARD and self.peer is not None:
-                    cluster._received(body, self.decoder)
+                    cluster._received(body, self.decoder, self.mark)
                 elif kind == F.SESSION_ASK and self.peer is not None:
                     cluster._session_asked(self.peer, body)
                 elif kind == F.SESSION and self.peer is not None:
                     cluster._session_answered(body)
                 elif kind == F.HELLO and self.peer is None:
-                    self.peer = cluster._hello(body)
+                    self.peer, self.mark = cluster._hello(body)
+                    self.transport.write(F.encode_resume(self.mark[1]))
                     self.timer.cancel()
                     self.reader.max_frame = max(cluster.max_frame, cluster.link_buffer + 65536)
                 else:
@@ -197,6 +225,20 @@ class Cluster:
         self._dirty = []  # peers with frames in `out`
         self._flush_scheduled = False
         self._ids = itertools.count(1)
+        # The commit log, when there is one: links replay from it (see the module docstring).
+        self.persist = broker.router.persist
+        store = self.persist.store if self.persist is not None else None
+        self.log_id = store.log_id if store is not None else ""
+        self.log_from = store.opened_at if store is not None else 0
+        self.run_id = uuid.uuid4().hex  # this process, in HELLO: a restart is told from a reconnect
+        self.applied = {}  # sender node -> [its log id, last offset of it taken here, its run]
+        self.replayed = 0  # records sent again from the log (link up, or drained)
+        self.duplicates = 0  # FORWARDs dropped here: their offset was taken before
+        self.replay_lost = 0  # records a replay needed that retention had deleted
+        self.fell_behind = 0  # times a live link was full past link_buffer and went to replay
+        # Node name -> Peer.resume_from of a node that left: if it comes back not knowing
+        # where it got to (it restarted), what its subscribers missed since is replayed.
+        self._left = {}
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -555,13 +597,19 @@ class Cluster:
             if peer.address == address:
                 return
             self._close_peer(peer)
-        peer = self.peers[name] = Peer(name, address)
+            resume = peer.resume_from
+        else:
+            resume = self._left.pop(name, None)
+            if resume is None:
+                resume = self.persist.next_offset if self.persist is not None else 0
+        peer = self.peers[name] = Peer(name, address, resume)
         peer.task = self.loop.create_task(self._connect(peer))
 
     def _drop_peer(self, name):
         peer = self.peers.pop(name, None)
         if peer is not None:
             self._close_peer(peer)
+            self._left[name] = peer.resume_from
             log.info("cluster: node %s left", name)
         self.remote.drop_node(name)
 
@@ -570,6 +618,9 @@ class Cluster:
         if peer.task is not None:
             peer.task.cancel()
             peer.task = None
+        if peer.catch_up is not None:
+            peer.catch_up.cancel()
+            peer.catch_up = None
         if peer.link is not None and peer.link.transport is not None:
             peer.link.transport.close()
         peer.link = None
@@ -596,15 +647,25 @@ class Cluster:
             attempt = 0
             peer.link = link
             t = link.transport
-            t.write(F.encode_hello(self.name, self.node, self.secret))
+            t.write(F.encode_hello(self.name, self.node, self.secret, self.log_id, self.log_from, self.run_id))
+            await asyncio.wait((link.resume, link.closed), timeout=_HELLO_TIMEOUT,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not link.resume.done():
+                if not t.is_closing():
+                    log.warning("cluster: node %s did not answer the link's HELLO; reconnecting", peer.name)
+                t.abort()
+                await link.closed
+                await asyncio.sleep(_RETRY[0])
+                continue
+            known = link.resume.result()
             await self._send_retained(link)
             if t.is_closing():
                 continue
-            if peer.queue:
-                t.writelines(peer.queue)
-                peer.queue = []
-                peer.queued = 0
-            peer.up = True
+            if self.persist is not None:
+                start = known + 1 if known >= 0 else peer.resume_from
+                if not await self._replay(peer, link, start):
+                    continue
+            self._go_live(peer, link)
             log.info("cluster: link to node %s (%s) up", peer.name, peer.address)
             await link.closed
             peer.up = False
@@ -634,11 +695,115 @@ class Cluster:
             await asyncio.sleep(0)
 
     def _hello(self, body):
-        cluster, node, secret = F.decode_hello(body)
+        """A link's HELLO: (the sending node, its mark in `applied`, whose offset RESUME
+        tells it)."""
+        cluster, node, secret, log_id, log_from, run = F.decode_hello(body)
         if cluster != self.name or secret != self.secret:
             raise F.FrameError(f"HELLO from node {node!r} of cluster {cluster!r}: wrong cluster or secret")
+        mark = self.applied.get(node)
+        if mark is None or not log_id or mark[0] != log_id:
+            mark = self.applied[node] = [log_id, -1, run]  # a log not heard from before: it knows where to start
+        elif mark[2] != run:
+            mark[2] = run
+            if mark[1] >= log_from:
+                # The sender restarted, and what it had sent from `log_from` on had not
+                # reached its disk: those offsets now belong to other messages.
+                mark[1] = log_from - 1
         log.info("cluster: link from node %s up", node)
-        return node
+        return node, mark
+
+    def _go_live(self, peer, link):
+        """The link has everything up to the log's end: the queued frames (not in the log)
+        follow, and from now on messages go straight to it."""
+        t = link.transport
+        if peer.queue:
+            t.writelines(peer.queue)
+            peer.queue = []
+            peer.queued = 0
+        peer.up = True
+
+    async def _replay(self, peer, link, start):
+        """Write to `peer` what this node's log holds for it from offset `start` on, a
+        chunk per loop turn and only as fast as the link drains; True once it has reached
+        the log's end (the caller goes live in the same step), False if the link went."""
+        persist = self.persist
+        t = link.transport
+        cursor = start
+        half = self.link_buffer // 2
+        first = True
+        while True:
+            if t.is_closing() or peer.link is not link:
+                return False
+            if t.get_write_buffer_size() > half:
+                await asyncio.sleep(0.01)
+                continue
+            end = persist.next_offset
+            if cursor >= end:
+                peer.resume_from = end
+                return True
+            if cursor < persist.start_offset:
+                lost = persist.start_offset - cursor
+                self.replay_lost += lost
+                log.warning("cluster: %d record(s) for node %s were deleted by [log] retention before "
+                            "its link could take them", lost, peer.name)
+                cursor = persist.start_offset
+                continue
+            if first:
+                first = False
+                if peer.catch_up is None:  # (a link behind is logged by _fall_behind)
+                    log.info("cluster: replaying node %s's messages from offset %d (log end %d)", peer.name,
+                             cursor, end)
+            recs = persist.read(cursor, 500)
+            if not recs:  # a damaged stretch of the log (logged by the reader): skip it
+                cursor = min(cursor + 500, end)
+                continue
+            now = self.router.clock()
+            frames = []
+            for rec in recs:
+                cursor = rec.offset + 1
+                frame = self._replay_frame(peer.name, rec, now)
+                if frame is not None:
+                    frames.append(frame)
+            if frames:
+                t.writelines(frames)
+                peer.replayed += len(frames)
+                self.replayed += len(frames)
+            peer.resume_from = cursor
+            await asyncio.sleep(0)
+
+    def _replay_frame(self, name, rec, now):
+        """The FORWARD of one log record for node `name`, if it is for it (its filters as
+        they are now; a retained message for every node), else None. A shared group's
+        message is not replayed: the choice of member was made when it was published."""
+        if rec.private:
+            return None
+        nodes, _ = self.remote.match(rec.topic)
+        to_subs = name in nodes
+        if not to_subs and not rec.retain:
+            return None
+        msg = self.persist.message_from_record(rec)
+        if msg.expired(now):
+            return None
+        flags = F.REPLAYED | (F.TO_SUBSCRIBERS if to_subs else 0) | (F.SET_RETAINED if rec.retain else 0)
+        return F.encode_forward(F.publish_bytes(msg, now), flags, msg.client_id, msg.timestamp, (), rec.offset)
+
+    def _fall_behind(self, peer):
+        """A live link is full past [cluster] link_buffer: stop writing to it, and replay
+        from the log what it missed once it drains."""
+        peer.up = False
+        self.fell_behind += 1
+        if self.fell_behind & (self.fell_behind - 1) == 0:  # 1, 2, 4, 8...: a slow node is a few lines
+            log.warning("cluster: link to node %s is full; its messages wait in the log until it drains "
+                        "(%d time(s) a link fell behind so far)", peer.name, self.fell_behind)
+        peer.catch_up = self.loop.create_task(self._catch_up(peer, peer.link))
+
+    async def _catch_up(self, peer, link):
+        try:
+            if await self._replay(peer, link, peer.resume_from):
+                self._go_live(peer, link)
+        finally:
+            if peer.catch_up is asyncio.current_task():
+                peer.catch_up = None
 
     # --- messages ----------------------------------------------------------------------
 
@@ -657,6 +822,7 @@ class Cluster:
         router = self.router
         if topic[:4] == "$SYS" or not self.peers:
             return router.route(msg, hit)
+        off = msg.offset  # taken before delivery here, which may record it as a private record
         nodes, shared = self.remote.match(topic)
         groups_for = None
         if shared:
@@ -704,16 +870,33 @@ class Cluster:
             groups = groups_for.get(name, ()) if groups_for else ()
             to_subs = name in nodes
             flags = (F.TO_SUBSCRIBERS if to_subs else 0) | (F.SET_RETAINED if retain else 0)
-            self._send(peer, F.encode_forward(body, flags, msg.client_id, msg.timestamp, groups))
             if to_subs or groups:
                 delivered = True
+            if off >= 0:  # in the log: a link that cannot take it now gets it by replay
+                if peer.up:
+                    frame = F.encode_forward(body, flags, msg.client_id, msg.timestamp, groups, off)
+                    if self._room(peer):
+                        self._append_out(peer, frame)
+                        peer.sent += 1
+                        peer.resume_from = off + 1
+                        self.forwarded += 1
+                        continue
+                    self._fall_behind(peer)
+                if not groups:
+                    continue
+                flags = 0  # the shared groups' part is not replayed: it goes as any unlogged message
+            self._send(peer, F.encode_forward(body, flags, msg.client_id, msg.timestamp, groups))
         return delivered
+
+    def _room(self, peer):
+        """The peer's live link holds less than [cluster] link_buffer."""
+        return peer.out_bytes + peer.backlog < self.link_buffer or \
+            peer.out_bytes + self._refresh_backlog(peer) < self.link_buffer
 
     def _send(self, peer, frame):
         link = peer.link
         if peer.up and link is not None:
-            if peer.out_bytes + peer.backlog < self.link_buffer or \
-                    peer.out_bytes + self._refresh_backlog(peer) < self.link_buffer:
+            if self._room(peer):
                 self._append_out(peer, frame)
                 peer.sent += 1
                 self.forwarded += 1
@@ -763,15 +946,20 @@ class Cluster:
                 peer.queue.extend(out)  # lost its link this turn: sent once it is back
                 peer.queued += sum(map(len, out))
 
-    def _received(self, body, decoder=None):
-        flags, cid, ts, groups, pkt = F.decode_forward(body, decoder)
+    def _received(self, body, decoder, mark):
+        flags, cid, ts, groups, pkt, off = F.decode_forward(body, decoder)
+        if off >= 0:
+            if off <= mark[1]:
+                self.duplicates += 1
+                return
+            mark[1] = off
         router = self.router
         msg = F.message_from(pkt, cid, ts, router.clock())
         self.received += 1
         if not pkt.qos and not pkt.retain and msg.expiry is None:
             msg.packet = pkt  # 5.0 subscribers get the PUBLISH bytes as they came
         router.receive_forwarded(msg, flags & F.TO_SUBSCRIBERS, flags & F.SET_RETAINED, flags & F.SYNC,
-                                 frozenset(groups) if groups else ())
+                                 frozenset(groups) if groups else (), flags & F.REPLAYED)
         msg.packet = None
 
     # --- sessions that change node ----------------------------------------------------
@@ -863,6 +1051,9 @@ class Cluster:
             "$SYS/broker/cluster/messages/forwarded": self.forwarded,
             "$SYS/broker/cluster/messages/received": self.received,
             "$SYS/broker/cluster/messages/dropped": self.dropped,
+            "$SYS/broker/cluster/messages/replayed": self.replayed,
+            "$SYS/broker/cluster/messages/duplicates": self.duplicates,
+            "$SYS/broker/cluster/messages/replay_lost": self.replay_lost,
             "$SYS/broker/cluster/takeovers": self.takeovers,
             "$SYS/broker/cluster/sessions/handed_over": self.handed_over,
             "$SYS/broker/cluster/sessions/taken_over": self.taken_over,

@@ -24,6 +24,7 @@ import queue
 import socket
 import threading
 import time
+import uuid
 
 from ..config import cluster_node_name
 from ..mqtt.codec import decode_properties, encode_varint
@@ -205,7 +206,16 @@ class Store(EpochAppender):
         self.batches = 0  # batches written (appended / batches: records per group commit)
         self.wakes = 0  # times the writer woke and took epochs (each a few turns with the GIL)
         # Records deleted while persistent sessions still needed them (kept across restarts).
-        self.lost_to_retention = int(self.db.meta().get("retention_lost", 0))
+        meta = self.db.meta()
+        self.lost_to_retention = int(meta.get("retention_lost", 0))
+        # The log's identity, and the first offset this run writes: a cluster node that
+        # received up to offset X of this log resumes from X + 1 (below `opened_at`:
+        # offsets past it that a crash took before they were written are reused).
+        self.log_id = meta.get("log_id")
+        if not self.log_id:
+            self.log_id = uuid.uuid4().hex
+            self.db.apply([(META_SET, ("log_id", self.log_id))])
+        self.opened_at = self.next_offset
         if st.fsync == "never":  # a segment the log rolls away from is the kernel's to write back
             self.log.sealed_sync = False
 

@@ -833,6 +833,37 @@ def test_a_restarted_node_gets_what_its_persistent_sessions_missed_and_nothing_o
     assert collect(late, 1) == [b"new"]  # only what came after it subscribed
 
 
+def test_both_nodes_restarted_still_resume_where_the_receiver_got_to(cluster):
+    # Node b keeps how far it got in node a's log on disk. With both killed (b first,
+    # then a after acknowledging messages b never got) and restarted, neither remembers
+    # it in memory: b's stored position is what makes a replay them.
+    cl = cluster()
+    a = cl.start("a", storage=disk(cl, "a"))
+    b = cl.start("b", storage=disk(cl, "b"))
+    cid = uid("dev")
+    props = {"SessionExpiryInterval": 300}
+    dev = cl.client("b", client_id=cid, clean=False, properties=props)
+    sub(dev, "bk/#", 1)
+    dev.disconnect()
+    dev.loop_stop()
+    live = cl.client("b")
+    sub(live, "bk/#", 1)
+    pub = cl.client("a")
+    await_route(pub, live, "bk/probe")
+    time.sleep(1.5)  # b writes its position (once a second)
+    b.kill()
+    for i in range(5):
+        publish(pub, f"bk/{i}", str(i).encode(), 1)
+    a.kill()
+    b.start()
+    a.start()
+    again = paho_client(b.port, client_id=cid, clean=False, properties=props)
+    cl.clients.append(again)
+    assert again.connack[1].session_present is True
+    got = collect(again, 5, timeout=20)
+    assert [p for p in got if p != b"probe"] == [b"0", b"1", b"2", b"3", b"4"]
+
+
 def test_a_link_takes_each_offset_of_a_senders_log_once(cluster):
     # Speaking the link protocol over a socket as a node would: the receiving node says
     # in RESUME how far in the sender's log it got, drops what it has had, and forgets

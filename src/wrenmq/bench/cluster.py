@@ -1,9 +1,12 @@
 """What crossing nodes costs: the same load through one node, and from node to node.
 
     python -m wrenmq.bench.cluster [--rounds 5] [--pubs 4] [--count 25000] [--sizes 64,1024]
+                                   [--storage memory|disk]
 
-Starts an etcd (Debian's etcd-server) and three `wrenmq serve` (memory storage): a
-single node, and nodes a and b of one cluster. Per round and payload size, mqload's
+Starts an etcd (Debian's etcd-server) and three `wrenmq serve` (memory storage, or
+with `--storage disk` each its own data dir and commit log, fsync interval: a link
+that falls behind then replays from the log instead of dropping): a single node,
+and nodes a and b of one cluster. Per round and payload size, mqload's
 `pub` sends QoS 0 messages to `bench/<i>` and one subscriber (`bench/#`, QoS 0) counts
 what arrives: `one node` publishes and subscribes on the single node; `two nodes`
 publishes on b and subscribes on a, so every message crosses the link. The two run
@@ -146,6 +149,7 @@ def main(argv=None):
     p.add_argument("--pubs", type=int, default=4)
     p.add_argument("--count", type=int, default=25000, help="messages per publisher")
     p.add_argument("--sizes", default="64,1024")
+    p.add_argument("--storage", choices=("memory", "disk"), default="memory")
     p.add_argument("--json", help="write the runs here")
     args = p.parse_args(argv)
     etcd = shutil.which("etcd")
@@ -165,13 +169,16 @@ def main(argv=None):
              f"default=http://127.0.0.1:{pport}"], stdout=open(tmp / "etcd.log", "ab"), stderr=subprocess.STDOUT)
         procs.append(etcd_proc)
         wait_port(cport, etcd_proc, what="etcd")
-        base = "[storage]\nmode = \"memory\"\n[sys]\ninterval = 0\n"
+        def storage(name):
+            if args.storage == "memory":
+                return "[storage]\nmode = \"memory\"\n[sys]\ninterval = 0\n"
+            return f"[storage]\ndata_dir = \"{tmp / ('data-' + name)}\"\nfsync = \"interval\"\n[sys]\ninterval = 0\n"
 
         def node(name):
-            return base + (f"[cluster]\nenabled = true\nname = \"bench\"\nnode = \"{name}\"\n"
+            return storage(name) + (f"[cluster]\nenabled = true\nname = \"bench\"\nnode = \"{name}\"\n"
                            f"etcd = [\"127.0.0.1:{cport}\"]\nport = {free_port()}\n")
 
-        single, sport = _serve(exe, tmp, "single", base)
+        single, sport = _serve(exe, tmp, "single", storage("single"))
         a, aport = _serve(exe, tmp, "a", node("a"))
         b, bport = _serve(exe, tmp, "b", node("b"))
         procs += [single, a, b]
@@ -185,7 +192,7 @@ def main(argv=None):
         expected = args.pubs * args.count
         order = list(sides)
         print(f"bench.cluster: {args.rounds} round(s) x {len(sizes)} size(s); {args.pubs} publisher(s) x "
-              f"{args.count} QoS 0 messages; nproc {os.cpu_count()}", flush=True)
+              f"{args.count} QoS 0 messages; storage {args.storage}; nproc {os.cpu_count()}", flush=True)
         for r in range(args.rounds):
             for size in sizes:
                 for side in order:

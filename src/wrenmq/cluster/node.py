@@ -45,6 +45,7 @@ import uuid
 from . import ClusterError, etcd_client
 from . import frames as F
 from .handover import build_session, session_state
+from ..store.state import META_SET
 from .interest import CLIENTS, NODES, ROUTES, LocalInterest, RemoteInterest, SharedPicker, parse_route_key, route_key
 
 log = logging.getLogger("wrenmq.cluster")
@@ -57,6 +58,8 @@ _HELLO_BYTES = 4096  # the largest frame before a link has said who it is
 _HELLO_TIMEOUT = 5.0  # seconds a link may stay silent before its HELLO
 _MAX_INLINKS = 256  # links from other nodes open at once (one per node is the norm)
 _HANDOVER_TIMEOUT = 2.0  # seconds a CONNECT waits for another node to hand its session over
+_MARKS_EVERY = 1.0  # seconds between writes of how far this node got in each sender's log
+_MARKS_KEY = "cluster_applied"  # ... in the state database's meta table
 
 
 class Peer:
@@ -231,7 +234,12 @@ class Cluster:
         self.log_id = store.log_id if store is not None else ""
         self.log_from = store.opened_at if store is not None else 0
         self.run_id = uuid.uuid4().hex  # this process, in HELLO: a restart is told from a reconnect
-        self.applied = {}  # sender node -> [its log id, last offset of it taken here, its run]
+        # Sender node -> [its log id, last offset of it taken here, its run]; with disk
+        # storage kept in the state database (a second behind at most), so a restart
+        # still knows where to resume each sender's log from.
+        self.applied = self._load_marks()
+        self._marks_dirty = False
+        self._saver = None
         self.replayed = 0  # records sent again from the log (link up, or drained)
         self.duplicates = 0  # FORWARDs dropped here: their offset was taken before
         self.replay_lost = 0  # records a replay needed that retention had deleted
@@ -284,6 +292,8 @@ class Cluster:
                 raise ClusterError(f"joining through etcd {self.endpoint} failed: {type(e).__name__}: {e}") from e
             raise
         self._main = self.loop.create_task(self._run())
+        if self.persist is not None:
+            self._saver = self.loop.create_task(self._save_marks_every(_MARKS_EVERY))
         log.info("cluster %s: node %s joined through etcd %s; links on %s; %d other node(s)",
                  self.name, self.node, self.endpoint, self.advertise, len(self.peers))
 
@@ -293,6 +303,9 @@ class Cluster:
         self.router.cluster = None
         if self._main is not None:
             self._main.cancel()
+        if self._saver is not None:
+            self._saver.cancel()
+            self._save_marks()
         if self._flushing is not None:
             self._flushing.cancel()
         for peer in self.peers.values():
@@ -787,6 +800,29 @@ class Cluster:
         flags = F.REPLAYED | (F.TO_SUBSCRIBERS if to_subs else 0) | (F.SET_RETAINED if rec.retain else 0)
         return F.encode_forward(F.publish_bytes(msg, now), flags, msg.client_id, msg.timestamp, (), rec.offset)
 
+    def _load_marks(self):
+        if self.persist is None:
+            return {}
+        raw = self.persist.store.db.meta().get(_MARKS_KEY)
+        try:
+            marks = json.loads(raw) if raw else {}
+            return {str(k): [str(v[0]), int(v[1]), str(v[2])] for k, v in marks.items()}
+        except (ValueError, TypeError, IndexError, AttributeError):
+            log.warning("cluster: ignoring an unreadable %s in the state database", _MARKS_KEY)
+            return {}
+
+    def _save_marks(self):
+        """How far this node got in each sender's log, to the state database with the
+        records of this epoch (so never ahead of what it stored of those messages)."""
+        if self._marks_dirty:
+            self._marks_dirty = False
+            self.persist.store.op(META_SET, (_MARKS_KEY, json.dumps(self.applied)), durable=False)
+
+    async def _save_marks_every(self, period):
+        while True:
+            await asyncio.sleep(period)
+            self._save_marks()
+
     def _fall_behind(self, peer):
         """A live link is full past [cluster] link_buffer: stop writing to it, and replay
         from the log what it missed once it drains."""
@@ -953,6 +989,7 @@ class Cluster:
                 self.duplicates += 1
                 return
             mark[1] = off
+            self._marks_dirty = True
         router = self.router
         msg = F.message_from(pkt, cid, ts, router.clock())
         self.received += 1
@@ -1033,9 +1070,13 @@ class Cluster:
 
     def _send_control(self, peer, frame):
         """A frame that is never dropped for space (small, or a session): after this turn's
-        other frames for the peer, or queued for its link."""
-        if peer.up and peer.link is not None:
+        other frames for the peer, at once on a link that is replaying (a session's
+        hand-over does not wait behind a backlog), or queued for its link."""
+        link = peer.link
+        if peer.up and link is not None:
             self._append_out(peer, frame)
+        elif link is not None and link.resume.done() and not link.transport.is_closing():
+            link.transport.write(frame)
         else:
             peer.queue.append(frame)
             peer.queued += len(frame)

@@ -723,6 +723,94 @@ def test_a_stalled_node_costs_the_others_at_most_link_buffer(cluster):
     await_route(pub, s, "lb/after")  # the link drained: messages flow again
 
 
+def links_up(cl, *names):
+    """Wait until each named node has its links to the others up."""
+    want = str(len(cl.nodes) - 1)
+    for name in names:
+        assert wait_for(lambda: sys_value(lambda: cl.client(name), "$SYS/broker/cluster/links_up") == want,
+                        timeout=10), f"node {name}'s links never came up"
+
+
+def test_a_new_subscription_gets_what_other_nodes_publish_right_after_its_suback(cluster):
+    # No probes here: the SUBACK itself says the other nodes have the filter.
+    cl = cluster()
+    cl.start("a")
+    cl.start("b")
+    links_up(cl, "a", "b")
+    pub = cl.client("a")
+    for i in range(20):
+        s = cl.client("b")
+        sub(s, f"nw/{i}/#", 1)
+        publish(pub, f"nw/{i}/x", b"%d" % i, 1)
+        got = []
+        assert wait_for(lambda: got.extend(m.payload for m in drain(s)) or got, timeout=5), \
+            f"subscription {i} missed a message published after its SUBACK"
+        assert got == [b"%d" % i]
+
+
+def test_a_suback_waits_for_the_other_nodes_route_ack(cluster, etcd):
+    # A node played by the test over a socket: node b links to it, sends it the new
+    # filter (ROUTE), and holds the SUBACK until the test acknowledges it.
+    import queue
+    import socket
+    import threading
+
+    cl = cluster()
+    b = cl.start("b")
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(10)
+    etcd.ctl("put", f"/wrenmq/{cl.name}/nodes/x", json.dumps({"link": f"127.0.0.1:{srv.getsockname()[1]}"}))
+    conn, _ = srv.accept()
+    routes, auto_ack = queue.Queue(), threading.Event()
+
+    def node_x():
+        reader = F.FrameReader(1 << 20)
+        while True:
+            try:
+                data = conn.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            for kind, body in reader.feed(data):
+                if kind == F.HELLO:
+                    conn.sendall(F.encode_resume(-1))
+                elif kind == F.ROUTE:
+                    seq = F.decode_route(body)[0]
+                    routes.put(F.decode_route(body))
+                    if auto_ack.is_set():
+                        conn.sendall(F.encode_route_ack(seq))
+
+    threading.Thread(target=node_x, daemon=True).start()
+    s = cl.client("b")
+    assert wait_for(lambda: b.log.count("link to node x") > 0, timeout=10)
+    s.subscribe("ra/#", 1)
+    seq, group, flt, online = routes.get(timeout=5)
+    assert (group, flt) == (None, "ra/#")
+    time.sleep(0.5)
+    assert s.acks.empty()  # no SUBACK before node x has the filter
+    conn.sendall(F.encode_route_ack(seq))
+    assert s.acks.get(timeout=2)
+    auto_ack.set()
+    assert sys_value(lambda: cl.client("b"), "$SYS/broker/cluster/routes/late") == "0"
+    conn.close()
+    srv.close()
+
+
+def test_a_suback_waits_at_most_a_second_for_a_stopped_node(cluster):
+    cl = cluster(lease_ttl=30)
+    a = cl.start("a")
+    cl.start("b")
+    links_up(cl, "a", "b")
+    s = cl.client("b")
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        sub(s, "st/#", 1)  # (SUBACK within sub()'s 5 s)
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    assert sys_value(lambda: cl.client("b"), "$SYS/broker/cluster/routes/late") == "1"
+
+
 # --- at least once between nodes: replay from the sender's commit log ------------------------
 
 def collect(client, n, timeout=30.0):
@@ -770,6 +858,7 @@ def test_a_link_that_falls_behind_catches_up_from_the_log(cluster):
     assert len(got) == len(payloads) and got == payloads
     figure = lambda name: int(sys_value(lambda: cl.client("a"), f"$SYS/broker/cluster/messages/{name}") or 0)
     assert figure("replayed") > 0  # it did fall behind
+    assert int(sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/links/fell_behind")) >= 1
     assert figure("dropped") == 0
 
 
@@ -963,6 +1052,13 @@ def test_hello_resume_round_trip_and_bad_frames():
         assert kind == F.RESUME and F.decode_resume(body) == offset
     with pytest.raises(F.FrameError):
         F.decode_resume(b'{"offset": "x"}')
+    for group, flt, online in ((None, "a/+/#", True), ("g", "s/#", False)):
+        kind, body = F.FrameReader(1024).feed(F.encode_route(9, group, flt, online))[0]
+        assert kind == F.ROUTE and F.decode_route(body) == (9, group, flt, online)
+    kind, body = F.FrameReader(1024).feed(F.encode_route_ack(9))[0]
+    assert kind == F.ROUTE_ACK and F.decode_route_ack(body) == 9
+    with pytest.raises(F.FrameError):
+        F.decode_route(b'{"seq": 1}')
     with pytest.raises(F.FrameError):
         F.FrameReader(1024).feed(b"\x00\x01\x00\x00\x02")  # larger than allowed
     with pytest.raises(F.FrameError):
@@ -1025,7 +1121,8 @@ def test_link_frames_from_garbage_only_ever_raise_frame_error():
                      st.builds(lambda i, b: good[:i] + b + good[i + len(b):], st.integers(0, len(good)),
                                st.binary(min_size=1, max_size=8))))
     def check(data):
-        decoders = (F.decode_forward, F.decode_hello, F.decode_resume, F.decode_session_ask, F.decode_session)
+        decoders = (F.decode_forward, F.decode_hello, F.decode_resume, F.decode_route, F.decode_route_ack,
+                    F.decode_session_ask, F.decode_session)
         try:
             frames = F.FrameReader(4096).feed(data)
         except F.FrameError:

@@ -704,6 +704,8 @@ class Router:
         retained = []
         hooks = self.hooks
         fail = (lambda rc: rc) if v5 else (lambda rc: 0x80)
+        cluster = self.cluster
+        routes = cluster.route_seq if cluster is not None else 0
         for t in pkt.topics:
             try:
                 group, flt = parse_shared(t.filter)
@@ -752,7 +754,20 @@ class Router:
             if group is None and (t.retain_handling == 0 or (t.retain_handling == 1 and not existed)):
                 retained.append(sub)
         self._matches.clear()
-        session.conn.send(encode(Suback(pkt.packet_id, codes), session.version))
+        suback = encode(Suback(pkt.packet_id, codes), session.version)
+        conn = session.conn
+        if cluster is not None and cluster.route_seq != routes:
+            # A filter new to this node: the SUBACK waits until the other nodes have it,
+            # so what is published anywhere after it reaches the client.
+            cluster.after_routes(routes, lambda: self._subscribed(session, conn, suback, retained))
+        else:
+            self._subscribed(session, conn, suback, retained)
+
+    def _subscribed(self, session, conn, suback, retained):
+        """The SUBACK, then the retained messages for the subscriptions that want them."""
+        if session.conn is not conn or conn.closing:
+            return
+        conn.send(suback)
         if retained and self.retained.count:
             now = self.clock()
             for sub in retained:

@@ -24,6 +24,8 @@ FORWARD = 2
 SESSION_ASK = 3  # "hand me client X's session": JSON {"id", "cid"}
 SESSION = 4  # the answer: JSON state, then the messages it owes as PUBLISHes
 RESUME = 5  # answer to HELLO: JSON {"offset"}: the last offset of the sender's log received, or -1
+ROUTE = 6  # a filter the sender's clients now subscribe to, ahead of etcd: JSON {"seq", "group", "filter", "online"}
+ROUTE_ACK = 7  # the receiver applied the sender's ROUTEs up to JSON {"seq"}
 
 # FORWARD flags: what the receiving node does with the message.
 TO_SUBSCRIBERS = 1  # deliver to its (non-shared) subscribers that match
@@ -85,6 +87,33 @@ def decode_resume(body):
         return int(json.loads(bytes(body))["offset"])
     except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise FrameError(f"malformed RESUME: {e}") from None
+
+
+def encode_route(seq, group, flt, online):
+    body = json.dumps({"seq": seq, "group": group, "filter": flt, "online": bool(online)}).encode()
+    return _FRAME.pack(len(body) + 1, ROUTE) + body
+
+
+def decode_route(body):
+    """(seq, group or None, filter, online) of a ROUTE body."""
+    try:
+        r = json.loads(bytes(body))
+        group = r["group"]
+        return int(r["seq"]), None if group is None else str(group), str(r["filter"]), bool(r["online"])
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
+        raise FrameError(f"malformed ROUTE: {e}") from None
+
+
+def encode_route_ack(seq):
+    body = json.dumps({"seq": seq}).encode()
+    return _FRAME.pack(len(body) + 1, ROUTE_ACK) + body
+
+
+def decode_route_ack(body):
+    try:
+        return int(json.loads(bytes(body))["seq"])
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
+        raise FrameError(f"malformed ROUTE_ACK: {e}") from None
 
 
 def encode_forward(publish, flags, client_id, timestamp, groups=(), offset=-1):

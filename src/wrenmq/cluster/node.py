@@ -15,22 +15,22 @@ lease, so a node that dies leaves the cluster when its lease runs out:
 Every node watches the prefix. A PUBLISH accepted on one node is written to each
 node with a matching filter over a link (one TCP connection per direction), once
 per node; a retained message (or a clear) goes to every node, and a link that comes
-up first sends the retained messages its node holds.
-
-What the commit log records reaches the other nodes at least once, and each node
-takes it once: a FORWARD carries the message's offset in the sender's log, the
-receiver remembers the last offset it took from each sender's log and drops any
-it has had. When a link comes up (after a failure, a restart of either side, or
-a `kill -9` of the sender), the receiver says in RESUME how far it got, and the
-sender replays from its log what matches the receiver's filters from there
-before it goes live again. A link that falls behind by [cluster] link_buffer
-does the same once it drains, instead of dropping: the log, not memory, holds
-the backlog. A shared group gets each
+up first sends the retained messages its node holds. A shared group gets each
 message once across the cluster: the accepting node picks one node among those
 with a connected member (any with members if none), round robin. A client that
 connects to a node with clean start 0 has its session handed over from the node
 that held it (handover.py); with clean start 1 its session elsewhere ends (a live
 connection there is closed with 0x8E, session taken over).
+
+What the commit log records reaches the other nodes at least once, and each node
+takes it once: a FORWARD carries the message's offset in the sender's log, and
+the receiver remembers the last offset it took from each sender's log (in its
+state database too, with disk storage) and drops any it has had. When a link
+comes up (after a failure, a restart of either side, or a `kill -9` of the
+sender), the receiver says in RESUME how far it got, and the sender replays from
+its log what matches the receiver's filters from there before it goes live. A
+link that falls behind by [cluster] link_buffer does the same once it drains,
+instead of dropping: the log, not memory, holds the backlog.
 """
 
 import asyncio
@@ -42,10 +42,10 @@ import ssl
 import time
 import uuid
 
+from ..store.state import META_SET
 from . import ClusterError, etcd_client
 from . import frames as F
 from .handover import build_session, session_state
-from ..store.state import META_SET
 from .interest import CLIENTS, NODES, ROUTES, LocalInterest, RemoteInterest, SharedPicker, parse_route_key, route_key
 
 log = logging.getLogger("wrenmq.cluster")
@@ -58,6 +58,7 @@ _HELLO_BYTES = 4096  # the largest frame before a link has said who it is
 _HELLO_TIMEOUT = 5.0  # seconds a link may stay silent before its HELLO
 _MAX_INLINKS = 256  # links from other nodes open at once (one per node is the norm)
 _HANDOVER_TIMEOUT = 2.0  # seconds a CONNECT waits for another node to hand its session over
+_ROUTE_TIMEOUT = 1.0  # seconds a SUBACK waits for the other nodes to confirm its new filter
 _MARKS_EVERY = 1.0  # seconds between writes of how far this node got in each sender's log
 _MARKS_KEY = "cluster_applied"  # ... in the state database's meta table
 
@@ -66,7 +67,7 @@ class Peer:
     """Another node and this node's outgoing link to it."""
 
     __slots__ = ("name", "address", "link", "queue", "queued", "task", "dropped", "sent", "up", "out", "out_bytes",
-                 "backlog", "resume_from", "replayed", "catch_up")
+                 "backlog", "resume_from", "replayed", "catch_up", "route_sent")
 
     def __init__(self, name, address, resume_from):
         self.name = name
@@ -86,10 +87,12 @@ class Peer:
         self.resume_from = resume_from
         self.replayed = 0
         self.catch_up = None  # the task replaying to a link that fell behind
+        self.route_sent = 0  # the last ROUTE seq written to its link
 
 
 class _OutLink(asyncio.Protocol):
-    """This node's frames to one peer; the peer answers the HELLO with RESUME, then is silent."""
+    """This node's frames to one peer; the peer answers the HELLO with RESUME, and each
+    ROUTE with ROUTE_ACK."""
 
     def __init__(self, cluster, peer):
         self.cluster = cluster
@@ -106,9 +109,12 @@ class _OutLink(asyncio.Protocol):
     def data_received(self, data):
         try:
             for kind, body in self.reader.feed(data):
-                if kind != F.RESUME or self.resume.done():
+                if kind == F.ROUTE_ACK and self.resume.done():
+                    self.cluster._route_acked(self.peer, F.decode_route_ack(body))
+                elif kind == F.RESUME and not self.resume.done():
+                    self.resume.set_result(F.decode_resume(body))
+                else:
                     raise F.FrameError(f"unexpected frame kind {kind}")
-                self.resume.set_result(F.decode_resume(body))
         except F.FrameError as e:
             log.warning("closing the link to %s: %s", self.peer.name, e)
             self.transport.abort()
@@ -157,6 +163,10 @@ class _InLink(asyncio.Protocol):
                     cluster._session_asked(self.peer, body)
                 elif kind == F.SESSION and self.peer is not None:
                     cluster._session_answered(body)
+                elif kind == F.ROUTE and self.peer is not None:
+                    seq, group, flt, online = F.decode_route(body)
+                    cluster.remote.add(self.peer, group, flt, online)
+                    self.transport.write(F.encode_route_ack(seq))
                 elif kind == F.HELLO and self.peer is None:
                     self.peer, self.mark = cluster._hello(body)
                     self.transport.write(F.encode_resume(self.mark[1]))
@@ -244,6 +254,11 @@ class Cluster:
         self.duplicates = 0  # FORWARDs dropped here: their offset was taken before
         self.replay_lost = 0  # records a replay needed that retention had deleted
         self.fell_behind = 0  # times a live link was full past link_buffer and went to replay
+        # ROUTE frames: a new subscription's SUBACK waits until the nodes linked to this
+        # one have it (a message published there after the SUBACK reaches it).
+        self.route_seq = 0
+        self._route_waits = []  # [{peer: seq still to be acknowledged}, callback, timer]
+        self.route_timeouts = 0
         # Node name -> Peer.resume_from of a node that left: if it comes back not knowing
         # where it got to (it restarted), what its subscribers missed since is replayed.
         self._left = {}
@@ -512,8 +527,51 @@ class Cluster:
 
     def subscribed(self, group, flt, online=False):
         if self.local.add(group, flt, online):
-            self._pending[route_key(self.prefix, self.node, group, flt)] = self.local.value(group, flt)
+            value = self.local.value(group, flt)
+            self._pending[route_key(self.prefix, self.node, group, flt)] = value
             self._kick()
+            # The other nodes learn it over the links now, and from etcd one round trip later.
+            self.route_seq += 1
+            frame = F.encode_route(self.route_seq, group, flt, value != b"0")
+            for peer in self.peers.values():
+                link = peer.link
+                if link is not None and link.resume.done() and not link.transport.is_closing():
+                    self._send_control(peer, frame)
+                    peer.route_sent = self.route_seq
+
+    def after_routes(self, since, callback):
+        """Call `callback` once every linked node has applied this node's ROUTEs after seq
+        `since` (at once if there are none; a node that does not answer within
+        _ROUTE_TIMEOUT, or whose link goes, is not waited for)."""
+        waiting = {peer: peer.route_sent for peer in self.peers.values() if peer.route_sent > since}
+        if not waiting:
+            callback()
+            return
+        entry = [waiting, callback, None]
+        entry[2] = self.loop.call_later(_ROUTE_TIMEOUT, self._routes_late, entry)
+        self._route_waits.append(entry)
+
+    def _routes_late(self, entry):
+        if entry in self._route_waits:
+            self.route_timeouts += 1
+            log.warning("cluster: node(s) %s did not confirm a new subscription within %.0f s; its SUBACK goes "
+                        "anyway", ", ".join(p.name for p in entry[0]), _ROUTE_TIMEOUT)
+            self._route_waits.remove(entry)
+            entry[1]()
+
+    def _route_acked(self, peer, seq=None):
+        """`peer` applied ROUTEs up to `seq` (None: its link is gone, wait no more for it)."""
+        done = []
+        for entry in self._route_waits:
+            want = entry[0].get(peer)
+            if want is not None and (seq is None or seq >= want):
+                del entry[0][peer]
+                if not entry[0]:
+                    done.append(entry)
+        for entry in done:
+            self._route_waits.remove(entry)
+            entry[2].cancel()
+            entry[1]()
 
     def unsubscribed(self, group, flt, online=False):
         change = self.local.remove(group, flt, online)
@@ -672,12 +730,11 @@ class Cluster:
                 continue
             known = link.resume.result()
             await self._send_retained(link)
-            if t.is_closing():
+            if not t.is_closing() and self.persist is not None:
+                await self._replay(peer, link, known + 1 if known >= 0 else peer.resume_from)
+            if t.is_closing() or peer.link is not link:  # lost while it caught up: again, shortly
+                await asyncio.sleep(_RETRY[0])
                 continue
-            if self.persist is not None:
-                start = known + 1 if known >= 0 else peer.resume_from
-                if not await self._replay(peer, link, start):
-                    continue
             self._go_live(peer, link)
             log.info("cluster: link to node %s (%s) up", peer.name, peer.address)
             await link.closed
@@ -690,6 +747,8 @@ class Cluster:
     def _link_lost(self, peer, link, exc):
         if peer.link is link:
             peer.up = False
+        if self._route_waits:
+            self._route_acked(peer)
 
     async def _send_retained(self, link):
         """The retained messages this node holds (not $SYS: each node has its own), a
@@ -803,7 +862,7 @@ class Cluster:
     def _load_marks(self):
         if self.persist is None:
             return {}
-        raw = self.persist.store.db.meta().get(_MARKS_KEY)
+        raw = self.persist.store.meta_at_open.get(_MARKS_KEY)
         try:
             marks = json.loads(raw) if raw else {}
             return {str(k): [str(v[0]), int(v[1]), str(v[2])] for k, v in marks.items()}
@@ -1095,6 +1154,8 @@ class Cluster:
             "$SYS/broker/cluster/messages/replayed": self.replayed,
             "$SYS/broker/cluster/messages/duplicates": self.duplicates,
             "$SYS/broker/cluster/messages/replay_lost": self.replay_lost,
+            "$SYS/broker/cluster/links/fell_behind": self.fell_behind,
+            "$SYS/broker/cluster/routes/late": self.route_timeouts,
             "$SYS/broker/cluster/takeovers": self.takeovers,
             "$SYS/broker/cluster/sessions/handed_over": self.handed_over,
             "$SYS/broker/cluster/sessions/taken_over": self.taken_over,

@@ -206,7 +206,7 @@ class Store(EpochAppender):
         self.batches = 0  # batches written (appended / batches: records per group commit)
         self.wakes = 0  # times the writer woke and took epochs (each a few turns with the GIL)
         # Records deleted while persistent sessions still needed them (kept across restarts).
-        meta = self.db.meta()
+        meta = self.meta_at_open = self.db.meta()  # (read before the writer thread uses the database)
         self.lost_to_retention = int(meta.get("retention_lost", 0))
         # The log's identity, and the first offset this run writes: a cluster node that
         # received up to offset X of this log resumes from X + 1 (below `opened_at`:

@@ -67,9 +67,9 @@ class Peer:
     """Another node and this node's outgoing link to it."""
 
     __slots__ = ("name", "address", "link", "queue", "queued", "task", "dropped", "sent", "up", "out", "out_bytes",
-                 "backlog", "resume_from", "replayed", "catch_up", "route_sent")
+                 "backlog", "resume_from", "known_from", "replayed", "catch_up", "route_sent")
 
-    def __init__(self, name, address, resume_from):
+    def __init__(self, name, address, resume_from, known_from):
         self.name = name
         self.address = address
         self.link = None  # _OutLink once connected
@@ -82,9 +82,11 @@ class Peer:
         self.out = []  # frames of this loop turn, written together at its end
         self.out_bytes = 0
         self.backlog = 0  # what the link's transport held after the last write
-        # The first offset of this node's log the peer was not sent live: where a replay
-        # starts if the peer does not know (it restarted).
+        # The first offset of this node's log not handed to the peer's link (set when the
+        # link stops being live, and as a replay goes): where a replay starts if the peer
+        # does not say in RESUME.
         self.resume_from = resume_from
+        self.known_from = known_from  # the log's end when this node learned of the peer (this time)
         self.replayed = 0
         self.catch_up = None  # the task replaying to a link that fell behind
         self.route_sent = 0  # the last ROUTE seq written to its link
@@ -168,8 +170,8 @@ class _InLink(asyncio.Protocol):
                     cluster.remote.add(self.peer, group, flt, online)
                     self.transport.write(F.encode_route_ack(seq))
                 elif kind == F.HELLO and self.peer is None:
-                    self.peer, self.mark = cluster._hello(body)
-                    self.transport.write(F.encode_resume(self.mark[1]))
+                    self.peer, self.mark, resume = cluster._hello(body)
+                    self.transport.write(F.encode_resume(resume))
                     self.timer.cancel()
                     self.reader.max_frame = max(cluster.max_frame, cluster.link_buffer + 65536)
                 else:
@@ -669,12 +671,18 @@ class Cluster:
                 return
             self._close_peer(peer)
             resume = peer.resume_from
-        else:
-            resume = self._left.pop(name, None)
-            if resume is None:
-                resume = self.persist.next_offset if self.persist is not None else 0
-        peer = self.peers[name] = Peer(name, address, resume)
+        now = self.persist.next_offset if self.persist is not None else 0
+        if peer is None:
+            resume = self._left.pop(name, now)
+        peer = self.peers[name] = Peer(name, address, resume, now)
         peer.task = self.loop.create_task(self._connect(peer))
+
+    def _down(self, peer):
+        """`peer`'s link stops being live: if it was, the peer had everything of the log so
+        far handed to its link (what a peer that says nothing in RESUME is replayed from)."""
+        if peer.up and self.persist is not None:
+            peer.resume_from = self.persist.next_offset
+        peer.up = False
 
     def _drop_peer(self, name):
         peer = self.peers.pop(name, None)
@@ -685,7 +693,7 @@ class Cluster:
         self.remote.drop_node(name)
 
     def _close_peer(self, peer):
-        peer.up = False
+        self._down(peer)
         if peer.task is not None:
             peer.task.cancel()
             peer.task = None
@@ -731,14 +739,20 @@ class Cluster:
             known = link.resume.result()
             await self._send_retained(link)
             if not t.is_closing() and self.persist is not None:
-                await self._replay(peer, link, known + 1 if known >= 0 else peer.resume_from)
+                if known >= 0:
+                    start = known + 1
+                elif known == -2:  # (it started after this node last knew it: nothing older is for it)
+                    start = max(peer.resume_from, peer.known_from)
+                else:
+                    start = peer.resume_from
+                await self._replay(peer, link, start)
             if t.is_closing() or peer.link is not link:  # lost while it caught up: again, shortly
                 await asyncio.sleep(_RETRY[0])
                 continue
             self._go_live(peer, link)
             log.info("cluster: link to node %s (%s) up", peer.name, peer.address)
             await link.closed
-            peer.up = False
+            self._down(peer)
             peer.link = None
             if self.peers.get(peer.name) is peer:
                 log.warning("cluster: link to node %s lost; reconnecting", peer.name)
@@ -746,7 +760,7 @@ class Cluster:
 
     def _link_lost(self, peer, link, exc):
         if peer.link is link:
-            peer.up = False
+            self._down(peer)
         if self._route_waits:
             self._route_acked(peer)
 
@@ -767,22 +781,26 @@ class Cluster:
             await asyncio.sleep(0)
 
     def _hello(self, body):
-        """A link's HELLO: (the sending node, its mark in `applied`, whose offset RESUME
-        tells it)."""
+        """A link's HELLO: (the sending node, its mark in `applied`, the offset RESUME tells
+        it: the mark's, or for a log not heard from before -1 (the sender decides where
+        to start) or, on a node that keeps nothing across restarts, -2 (nothing from
+        before the sender last learned of this node is for it: every session here is
+        newer))."""
         cluster, node, secret, log_id, log_from, run = F.decode_hello(body)
         if cluster != self.name or secret != self.secret:
             raise F.FrameError(f"HELLO from node {node!r} of cluster {cluster!r}: wrong cluster or secret")
         mark = self.applied.get(node)
         if mark is None or not log_id or mark[0] != log_id:
-            mark = self.applied[node] = [log_id, -1, run]  # a log not heard from before: it knows where to start
-        elif mark[2] != run:
+            mark = self.applied[node] = [log_id, -1, run]
+            return node, mark, -1 if self.persist is not None else -2
+        if mark[2] != run:
             mark[2] = run
             if mark[1] >= log_from:
                 # The sender restarted, and what it had sent from `log_from` on had not
                 # reached its disk: those offsets now belong to other messages.
                 mark[1] = log_from - 1
         log.info("cluster: link from node %s up", node)
-        return node, mark
+        return node, mark, mark[1]
 
     def _go_live(self, peer, link):
         """The link has everything up to the log's end: the queued frames (not in the log)
@@ -882,10 +900,11 @@ class Cluster:
             await asyncio.sleep(period)
             self._save_marks()
 
-    def _fall_behind(self, peer):
-        """A live link is full past [cluster] link_buffer: stop writing to it, and replay
-        from the log what it missed once it drains."""
+    def _fall_behind(self, peer, off):
+        """A live link is full past [cluster] link_buffer at offset `off`: stop writing to
+        it, and replay from the log what it missed from there once it drains."""
         peer.up = False
+        peer.resume_from = off
         self.fell_behind += 1
         if self.fell_behind & (self.fell_behind - 1) == 0:  # 1, 2, 4, 8...: a slow node is a few lines
             log.warning("cluster: link to node %s is full; its messages wait in the log until it drains "
@@ -973,10 +992,9 @@ class Cluster:
                     if self._room(peer):
                         self._append_out(peer, frame)
                         peer.sent += 1
-                        peer.resume_from = off + 1
                         self.forwarded += 1
                         continue
-                    self._fall_behind(peer)
+                    self._fall_behind(peer, off)
                 if not groups:
                     continue
                 flags = 0  # the shared groups' part is not replayed: it goes as any unlogged message

@@ -461,6 +461,45 @@ def test_session_ask_to_a_node_that_does_not_answer_starts_anew(cluster):
     assert "did not hand" in cl.nodes["b"].log
 
 
+@pytest.mark.parametrize("expiry", [300, 1])
+def test_a_session_handed_over_after_its_client_left_waits_offline_on_the_new_node(cluster, expiry):
+    # The client that asked for its session is gone before the session arrives. Node b
+    # takes it over all the same (it reads the client's close only once the CONNECT is
+    # answered: reading pauses while a CONNECT waits) and keeps it offline, expiring as
+    # any session does once its client has left.
+    import socket
+
+    from wrenmq.mqtt.packets import Connect
+
+    cl = cluster(lease_ttl=30)
+    a = cl.start("a")
+    b = cl.start("b")
+    cid = uid("dev")
+    props = {"SessionExpiryInterval": expiry}
+    first = cl.client("a", client_id=cid, clean=False, properties=props)
+    sub(first, "pk/#", 1)
+    first.disconnect()
+    first.loop_stop()
+    a.proc.send_signal(signal.SIGSTOP)  # the hand-over waits for node a
+    try:
+        with socket.create_connection(("127.0.0.1", b.port), timeout=5) as sock:
+            sock.sendall(encode(Connect(cid, C.MQTT5, clean_start=False,
+                                        properties={"session_expiry_interval": expiry}), C.MQTT5))
+            time.sleep(0.4)  # node b has asked node a
+        time.sleep(0.2)  # the client is gone
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    assert wait_for(lambda: f"took {cid}'s session over" in b.log, timeout=5)
+    if expiry == 1:
+        time.sleep(2.5)
+    again = paho_client(b.port, client_id=cid, clean=False, properties=props)
+    cl.clients.append(again)
+    assert again.connack[1].session_present is (expiry == 300)
+    if expiry == 300:
+        publish(cl.client("b"), "pk/1", b"x", 1)
+        assert [m.payload for m in drain(again, 1.0)] == [b"x"]
+
+
 def test_will_of_a_client_taken_over_from_another_node(cluster):
     cl = cluster()
     cl.start("a")

@@ -961,6 +961,34 @@ def test_a_restarted_node_gets_what_its_persistent_sessions_missed_and_nothing_o
     assert collect(late, 1) == [b"new"]  # only what came after it subscribed
 
 
+def test_a_shared_group_skips_a_node_whose_link_is_behind(cluster):
+    # Node b stalls, node a's link to it falls behind; then b dies. The group's messages
+    # published meanwhile all went to the member on node a: none waited for b.
+    cl = cluster(link_buffer=65536, lease_ttl=30)
+    cl.start("a", storage=disk(cl, "a"))
+    b = cl.start("b")
+    ma = cl.client("a")
+    sub(ma, "$share/g/sg/#", 1)
+    mb = cl.client("b")
+    sub(mb, "$share/g/sg/#", 1)
+    filler = cl.client("b")
+    sub(filler, "fill/#", 1)
+    pub = cl.client("a")
+    await_route(pub, filler, "fill/probe")
+    await_route(pub, mb, "sg/probe")  # node a knows node b's member
+    b.proc.send_signal(signal.SIGSTOP)
+    try:
+        publish_all(pub, "fill/x", numbered(6000, 4096))
+        assert int(sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/links/fell_behind")) >= 1
+        drain(ma)
+        for i in range(10):
+            publish(pub, "sg/x", b"%d" % i, 1)
+    finally:
+        b.kill()
+    got = [m.payload for m in drain(ma, 1.0) if m.payload != b"probe"]
+    assert sorted(got) == sorted(b"%d" % i for i in range(10))
+
+
 def test_both_nodes_restarted_still_resume_where_the_receiver_got_to(cluster):
     # Node b keeps how far it got in node a's log on disk. With both killed (b first,
     # then a after acknowledging messages b never got) and restarted, neither remembers

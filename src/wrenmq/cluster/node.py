@@ -945,18 +945,22 @@ class Cluster:
             keep = []
             seen = set()
             me = self.node
-            # One node per group: among those with a connected member, round robin; if
-            # none has one, among all that have members (the message waits in a queue).
+            # One node per group: among those with a connected member and a live link,
+            # round robin (a group's message is not replayed: a node whose link is down
+            # or behind gets none while another can take it); if none has one, among
+            # all that have members (the message waits in a queue).
+            peers = self.peers
             for g in local_groups:
                 key = (g.name, g.filter)
                 seen.add(key)
                 others = shared.get(key)
                 if others:
                     online, every = others
+                    live = tuple(n for n in online if n in peers and peers[n].up)
                     if any(m.session.conn is not None for m in g.members):
-                        nodes_for = (me,) + online
+                        nodes_for = (me,) + live
                     else:
-                        nodes_for = online or (me,) + every
+                        nodes_for = live or online or (me,) + every
                     choice = self.picker.pick(key, nodes_for)
                     if choice != me:
                         groups_for.setdefault(choice, []).append(key)
@@ -964,7 +968,8 @@ class Cluster:
                 keep.append(g)
             for key, (online, every) in shared.items():
                 if key not in seen:
-                    groups_for.setdefault(self.picker.pick(key, online or every), []).append(key)
+                    live = tuple(n for n in online if n in peers and peers[n].up)
+                    groups_for.setdefault(self.picker.pick(key, live or online or every), []).append(key)
             if len(keep) != len(local_groups):
                 hit = (hit[0], tuple(keep))
         delivered = router.route(msg, hit)

@@ -532,6 +532,8 @@ class Cluster:
             value = self.local.value(group, flt)
             self._pending[route_key(self.prefix, self.node, group, flt)] = value
             self._kick()
+            if flt[:4] == "$SYS":
+                return  # each node's own: never forwarded, nothing to wait for
             # The other nodes learn it over the links now, and from etcd one round trip later.
             self.route_seq += 1
             frame = F.encode_route(self.route_seq, group, flt, value != b"0")

@@ -1082,6 +1082,9 @@ def test_cluster_figures_for_prometheus(cluster):
     assert f["wrenmq_cluster_forwarded_messages_total"][1] >= 2
     assert f["wrenmq_cluster_dropped_messages_total"][1] == 0
     assert f["wrenmq_cluster_sessions_handed_over_total"][1] == 0
+    for name in ("replayed_messages_total", "duplicate_messages_total", "replay_lost_total",
+                 "links_fell_behind_total", "routes_late_total"):
+        assert f[f"wrenmq_cluster_{name}"] == ("counter", 0.0, {})
 
 
 # --- the link format and the routing state (sans-IO) ------------------------------------------

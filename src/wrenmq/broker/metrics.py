@@ -103,6 +103,8 @@ METRICS = (
      "Records another node needed replayed that [log] retention had deleted first."),
     ("$SYS/broker/cluster/links/fell_behind", "wrenmq_cluster_links_fell_behind_total", "counter",
      "Times a link to another node was full past [cluster] link_buffer and went on from the commit log."),
+    ("$SYS/broker/cluster/routes/late", "wrenmq_cluster_routes_late_total", "counter",
+     "SUBACKs sent without every linked node's confirmation of the new filter (1 s passed)."),
     ("$SYS/broker/cluster/takeovers", "wrenmq_cluster_takeovers_total", "counter",
      "Sessions ended here because their client connected to another node with clean start 1."),
     ("$SYS/broker/cluster/sessions/handed_over", "wrenmq_cluster_sessions_handed_over_total", "counter",

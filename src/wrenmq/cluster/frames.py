@@ -1,15 +1,15 @@
 """The node-to-node link's wire format: sans-IO, bytes in and frames out.
 
 A link carries frames `u32 length | u8 kind | body` (the length counts kind and
-body). The first frame on a link is HELLO (JSON: cluster, node, secret, and the
-sender's commit log: its identity, and the first offset this run of the sender
-wrote, with an identity of the run); the
-receiving node answers RESUME (how far in that log it has what was sent to it).
-A message travels as FORWARD: a small binary header (its offset in the sender's
-log or -1, what the receiver does with it, the publisher's client id and arrival
-time, the shared groups it is for) followed by the message as an MQTT 5 PUBLISH,
-so properties, QoS, retain and the remaining expiry use the codec every client
-connection already uses.
+body). The first frame on a link is HELLO (JSON: cluster, node, secret, the
+identity of the sender's commit log, the first offset this run of the sender wrote
+and an identity of the run); the receiving node answers RESUME (how far in that
+log it has what was sent to it). A message travels as FORWARD: a small binary
+header (its offset in the sender's log or -1, what the receiver does with it, the
+publisher's client id and arrival time, the shared groups it is for) followed by
+the message as an MQTT 5 PUBLISH, so properties, QoS, retain and the remaining
+expiry use the codec every client connection already uses. ROUTE tells the
+receiver of a filter new on the sender, which answers ROUTE_ACK once it has it.
 """
 
 import json
@@ -23,7 +23,8 @@ HELLO = 1
 FORWARD = 2
 SESSION_ASK = 3  # "hand me client X's session": JSON {"id", "cid"}
 SESSION = 4  # the answer: JSON state, then the messages it owes as PUBLISHes
-RESUME = 5  # answer to HELLO: JSON {"offset"}: the last offset of the sender's log received, or -1
+RESUME = 5  # answer to HELLO: JSON {"offset"}: the last offset of the sender's log received here,
+# -1 (none known: the sender decides) or -2 (nothing from before the sender last learned of this node)
 ROUTE = 6  # a filter the sender's clients now subscribe to, ahead of etcd: JSON {"seq", "group", "filter", "online"}
 ROUTE_ACK = 7  # the receiver applied the sender's ROUTEs up to JSON {"seq"}
 

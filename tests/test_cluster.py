@@ -1020,6 +1020,59 @@ def test_both_nodes_restarted_still_resume_where_the_receiver_got_to(cluster):
     assert [p for p in got if p != b"probe"] == [b"0", b"1", b"2", b"3", b"4"]
 
 
+def test_a_node_does_not_take_back_a_retained_message_it_saw_cleared(cluster):
+    # Another node, back from an outage, offers (SYNC) its copy of a retained message
+    # from before the clear: the node that cleared it remembers the clear and keeps it
+    # cleared; a copy newer than anything it holds is taken.
+    import socket
+
+    cl = cluster()
+    a = cl.start("a")
+    pa = cl.client("a")
+    publish(pa, "rc/t", b"v1", 1, retain=True)
+    before = time.time()
+    time.sleep(0.05)
+    publish(pa, "rc/t", b"", 1, retain=True)
+    with socket.create_connection(("127.0.0.1", a.link_port), timeout=5) as sock:
+        sock.sendall(F.encode_hello(cl.name, "x", "", "log-x", 0, "run-x"))
+        reader, got = F.FrameReader(4096), []
+        while not got:
+            got = reader.feed(sock.recv(4096))
+        assert got[0][0] == F.RESUME
+        for topic, payload, ts in (("rc/t", b"v1", before), ("rc/u", b"u1", time.time())):
+            pkt = encode(Publish(topic, payload, 1, True, packet_id=1, properties={}), C.MQTT5)
+            sock.sendall(F.encode_forward(pkt, F.SYNC, "c", ts))
+        time.sleep(0.5)
+    c = cl.client("a")
+    sub(c, "rc/#", 1)
+    assert {m.topic: m.payload for m in drain(c, 1.0)} == {"rc/u": b"u1"}
+
+
+def test_a_retained_clear_made_while_a_node_was_down_stays_cleared_everywhere(cluster):
+    # Node b holds the retained message when it dies, and node a clears it meanwhile.
+    # Back, b gets the clear replayed from a's log, and neither node brings the message
+    # back.
+    cl = cluster()
+    cl.start("a", storage=disk(cl, "a"))
+    b = cl.start("b", storage=disk(cl, "b"))
+    pa = cl.client("a")
+    sb = cl.client("b")
+    sub(sb, "rt/#", 1)
+    await_route(pa, sb, "rt/probe")
+    publish(pa, "rt/t", b"v1", 1, retain=True)
+    assert [m.payload for m in drain(sb, 0.5)] == [b"v1"]
+    time.sleep(1.5)  # b has written it, and how far it got in a's log
+    b.kill()
+    publish(pa, "rt/t", b"", 1, retain=True)
+    b.start()
+    links_up(cl, "a", "b")
+    time.sleep(0.5)
+    for node in ("a", "b"):
+        c = cl.client(node)
+        sub(c, "rt/t", 1)
+        assert [m.payload for m in drain(c, 1.0)] == [], f"node {node} brought the cleared message back"
+
+
 @pytest.mark.parametrize("storage", ["memory", "disk"])
 def test_a_link_takes_each_offset_of_a_senders_log_once(cluster, storage):
     # Speaking the link protocol over a socket as a node would: the receiving node says

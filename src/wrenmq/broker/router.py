@@ -35,6 +35,7 @@ _CONNACK_311 = (b"\x20\x02\x00\x00", b"\x20\x02\x01\x00")  # accepted; session p
 _EXPIRE_SESSION = 1
 _PUBLISH_WILL = 2
 _CATCH_UP = 3
+_CLEARS_KEPT = 100_000  # retained clears remembered (cluster), the oldest forgotten first
 
 
 class Stats:
@@ -128,6 +129,7 @@ class Router:
         self.topic_log = None  # with it, the store's topic_log (the match cache's handle on a logged topic)
         self.cluster = None  # cluster.node.Cluster when [cluster] is on: other nodes' interest, links
         self._adopted = set()  # client ids of sessions handed over by another node, not yet stored here
+        self.retained_clears = {}  # topic -> time of its retained clear (cluster only; see _retain)
         self.maximum_qos = config.broker.maximum_qos
         self.retain_available = config.broker.retain_available
         self.max_queued = self.limits.max_queued_messages
@@ -858,14 +860,11 @@ class Router:
         """
         topic = msg.topic
         if sync:
-            old = self.retained.get(topic)
-            if old is None or old.timestamp < msg.timestamp:
+            if self._retained_newer(topic, msg.timestamp, False):
                 self._retain(msg)
             return False
-        if retained:
-            old = self.retained.get(topic) if replayed else None
-            if old is None or old.timestamp <= msg.timestamp:
-                self._retain(msg)
+        if retained and (not replayed or self._retained_newer(topic, msg.timestamp, True)):
+            self._retain(msg)
         hit = self._matches.get(topic)
         if hit is None:
             hit = self._match(topic)
@@ -877,6 +876,13 @@ class Router:
                 for s in e[0].subscriptions.values()))
         local = tuple(g for g in hit[1] if (g.name, g.filter) in groups) if groups else ()
         return self.route(msg, (normal, local))
+
+    def _retained_newer(self, topic, ts, or_same):
+        """Whether a retained message (or clear) of time `ts` from another node is newer
+        than what this node holds for `topic`: its retained message, or its last clear."""
+        old = self.retained.get(topic)
+        held = old.timestamp if old is not None else self.retained_clears.get(topic)
+        return held is None or ts > held or (or_same and ts == held)
 
     def release_session(self, cid):
         """Another node's CONNECT wants client `cid`'s session: close its connection here
@@ -952,11 +958,23 @@ class Router:
         self.end_session(session)  # the session ends: a will still pending is published
 
     def _retain(self, msg):
-        """Keep `msg` as its topic's retained message (an empty one clears it), on disk too."""
+        """Keep `msg` as its topic's retained message (an empty one clears it), on disk too.
+
+        With a cluster, a clear is remembered (its time, for the last _CLEARS_KEPT
+        topics cleared): another node's older copy, sent when its link comes up, must
+        not bring the message back."""
         if msg.payload:
             self.retained.set(msg.topic, msg)
+            if self.retained_clears:
+                self.retained_clears.pop(msg.topic, None)
         else:
             self.retained.delete(msg.topic)
+            if self.cluster is not None:
+                clears = self.retained_clears
+                clears.pop(msg.topic, None)
+                clears[msg.topic] = msg.timestamp
+                if len(clears) > _CLEARS_KEPT:
+                    del clears[next(iter(clears))]
         if self.persist is not None:
             self.persist.retained_changed(msg)
 

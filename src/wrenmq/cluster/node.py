@@ -558,8 +558,10 @@ class Cluster:
     def _routes_late(self, entry):
         if entry in self._route_waits:
             self.route_timeouts += 1
-            log.warning("cluster: node(s) %s did not confirm a new subscription within %.0f s; its SUBACK goes "
-                        "anyway", ", ".join(p.name for p in entry[0]), _ROUTE_TIMEOUT)
+            if self.route_timeouts & (self.route_timeouts - 1) == 0:  # 1, 2, 4, 8...: a few lines
+                log.warning("cluster: node(s) %s did not confirm a new subscription within %.0f s; its SUBACK "
+                            "goes anyway (%d time(s) so far)", ", ".join(p.name for p in entry[0]),
+                            _ROUTE_TIMEOUT, self.route_timeouts)
             self._route_waits.remove(entry)
             entry[1]()
 

@@ -8,10 +8,8 @@
 """
 
 import asyncio
-import collections
 import os
 import queue
-import random
 import socket
 import subprocess
 import sys
@@ -26,6 +24,7 @@ from wrenmq.broker import Broker
 from wrenmq.config import load
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import Decoder, encode
+from wrenmq.ports import free_port  # noqa: F401 (the tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 WRENMQ = str(Path(sys.executable).with_name("wrenmq"))
@@ -136,41 +135,6 @@ def make_broker():
 @pytest.fixture
 def broker(make_broker):
     return make_broker()
-
-
-_PORTS = random.Random()  # its own: tests (and hypothesis) seed the module's
-_GIVEN = collections.deque(maxlen=256)
-
-
-def _ephemeral_low():
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port():
-    """A free port below the kernel's ephemeral range. A port from that range can be
-    given to a client as its own port while it reconnects to a broker that is down
-    (a restart in a test), and the client then connects to itself and holds the port
-    the broker is about to bind again (EADDRINUSE)."""
-    low = _ephemeral_low()
-    for _ in range(200):
-        port = _PORTS.randrange(10000, low) if low > 10100 else 0
-        if port in _GIVEN:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            port = s.getsockname()[1]
-        _GIVEN.append(port)  # (two calls in a row, before either port is bound, differ)
-        return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port, timeout=15.0, proc=None):

@@ -24,7 +24,7 @@ from wrenmq.broker import Broker
 from wrenmq.config import load
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import Decoder, encode
-from wrenmq.ports import free_port  # noqa: F401 (the tests import it from here)
+from wrenmq.ports import free_port, wait_port  # noqa: F401 (the tests import them from here)
 
 ROOT = Path(__file__).resolve().parent.parent
 WRENMQ = str(Path(sys.executable).with_name("wrenmq"))
@@ -135,19 +135,6 @@ def make_broker():
 @pytest.fixture
 def broker(make_broker):
     return make_broker()
-
-
-def wait_port(port, timeout=15.0, proc=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"broker exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"port {port} not listening")
 
 
 class ServedBroker:

@@ -151,6 +151,33 @@ def sys_value(client_factory, topic):
     return msgs[-1].payload.decode() if msgs else None
 
 
+def offline_session(cl, node, flt, expiry=300):
+    """A persistent session on `node` subscribed to `flt` (QoS 1), its client gone:
+    (client id, the CONNECT properties to resume it with)."""
+    cid = uid("dev")
+    props = {"SessionExpiryInterval": expiry}
+    dev = cl.client(node, client_id=cid, clean=False, properties=props)
+    sub(dev, flt, 1)
+    dev.disconnect()
+    dev.loop_stop()
+    return cid, props
+
+
+def open_link(cl, port, log_id, log_from, run):
+    """A link to a node's link port as node "x" would open it: (socket, the offset its
+    RESUME answers)."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(F.encode_hello(cl.name, "x", "", log_id, log_from, run))
+    reader, got = F.FrameReader(4096), []
+    while not got:
+        got = reader.feed(sock.recv(4096))
+    kind, body = got[0]
+    assert kind == F.RESUME
+    return sock, F.decode_resume(body)
+
+
 # --- across nodes ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("version", [4, 5])
@@ -474,12 +501,7 @@ def test_a_session_handed_over_after_its_client_left_waits_offline_on_the_new_no
     cl = cluster(lease_ttl=30)
     a = cl.start("a")
     b = cl.start("b")
-    cid = uid("dev")
-    props = {"SessionExpiryInterval": expiry}
-    first = cl.client("a", client_id=cid, clean=False, properties=props)
-    sub(first, "pk/#", 1)
-    first.disconnect()
-    first.loop_stop()
+    cid, props = offline_session(cl, "a", "pk/#", expiry)
     a.proc.send_signal(signal.SIGSTOP)  # the hand-over waits for node a
     try:
         with socket.create_connection(("127.0.0.1", b.port), timeout=5) as sock:
@@ -521,12 +543,7 @@ def test_offline_session_keeps_forwarded_messages_across_a_restart(cluster):
     cl = cluster()
     a = cl.start("a", storage=f"data_dir = \"{cl.tmp / 'data-a'}\"\nfsync = \"interval\"")
     cl.start("b")
-    cid = uid("dev")
-    props = {"SessionExpiryInterval": 300}
-    dev = cl.client("a", client_id=cid, clean=False, properties=props)
-    sub(dev, "q/#", 1)
-    dev.disconnect()
-    dev.loop_stop()
+    cid, props = offline_session(cl, "a", "q/#")
     live = cl.client("a")
     sub(live, "q/#", 1)
     pub = cl.client("b")
@@ -933,12 +950,7 @@ def test_a_restarted_node_gets_what_its_persistent_sessions_missed_and_nothing_o
     cl = cluster()
     a = cl.start("a", storage=disk(cl, "a"))
     b = cl.start("b", storage=disk(cl, "b"))
-    cid = uid("dev")
-    props = {"SessionExpiryInterval": 300}
-    dev = cl.client("b", client_id=cid, clean=False, properties=props)
-    sub(dev, "rs/#", 1)
-    dev.disconnect()
-    dev.loop_stop()
+    cid, props = offline_session(cl, "b", "rs/#")
     live = cl.client("b")
     sub(live, "rs/#", 1)
     pub = cl.client("a")
@@ -996,12 +1008,7 @@ def test_both_nodes_restarted_still_resume_where_the_receiver_got_to(cluster):
     cl = cluster()
     a = cl.start("a", storage=disk(cl, "a"))
     b = cl.start("b", storage=disk(cl, "b"))
-    cid = uid("dev")
-    props = {"SessionExpiryInterval": 300}
-    dev = cl.client("b", client_id=cid, clean=False, properties=props)
-    sub(dev, "bk/#", 1)
-    dev.disconnect()
-    dev.loop_stop()
+    cid, props = offline_session(cl, "b", "bk/#")
     live = cl.client("b")
     sub(live, "bk/#", 1)
     pub = cl.client("a")
@@ -1024,8 +1031,6 @@ def test_a_node_does_not_take_back_a_retained_message_it_saw_cleared(cluster):
     # Another node, back from an outage, offers (SYNC) its copy of a retained message
     # from before the clear: the node that cleared it remembers the clear and keeps it
     # cleared; a copy newer than anything it holds is taken.
-    import socket
-
     cl = cluster()
     a = cl.start("a")
     pa = cl.client("a")
@@ -1033,12 +1038,8 @@ def test_a_node_does_not_take_back_a_retained_message_it_saw_cleared(cluster):
     before = time.time()
     time.sleep(0.05)
     publish(pa, "rc/t", b"", 1, retain=True)
-    with socket.create_connection(("127.0.0.1", a.link_port), timeout=5) as sock:
-        sock.sendall(F.encode_hello(cl.name, "x", "", "log-x", 0, "run-x"))
-        reader, got = F.FrameReader(4096), []
-        while not got:
-            got = reader.feed(sock.recv(4096))
-        assert got[0][0] == F.RESUME
+    sock, _ = open_link(cl, a.link_port, "log-x", 0, "run-x")
+    with sock:
         for topic, payload, ts in (("rc/t", b"v1", before), ("rc/u", b"u1", time.time())):
             pkt = encode(Publish(topic, payload, 1, True, packet_id=1, properties={}), C.MQTT5)
             sock.sendall(F.encode_forward(pkt, F.SYNC, "c", ts))
@@ -1078,8 +1079,6 @@ def test_a_link_takes_each_offset_of_a_senders_log_once(cluster, storage):
     # Speaking the link protocol over a socket as a node would: the receiving node says
     # in RESUME how far in the sender's log it got, drops what it has had, and forgets
     # offsets a restarted sender says it reuses (HELLO "from").
-    import socket
-
     cl = cluster()
     b = cl.start("b", **({"storage": disk(cl, "b")} if storage == "disk" else {}))
     s = cl.client("b")
@@ -1087,17 +1086,12 @@ def test_a_link_takes_each_offset_of_a_senders_log_once(cluster, storage):
     pkt = lambda i: encode(Publish(f"lk/{i}", str(i).encode(), 1, packet_id=1, properties={}), C.MQTT5)
 
     def link(log_from, run, frames):
-        with socket.create_connection(("127.0.0.1", b.link_port), timeout=5) as sock:
-            sock.sendall(F.encode_hello(cl.name, "x", "", "log-1", log_from, run))
-            reader, got = F.FrameReader(4096), []
-            while not got:
-                got = reader.feed(sock.recv(4096))
-            kind, body = got[0]
-            assert kind == F.RESUME
+        sock, resume = open_link(cl, b.link_port, "log-1", log_from, run)
+        with sock:
             for off in frames:
                 sock.sendall(F.encode_forward(pkt(off), F.TO_SUBSCRIBERS, "c", time.time(), (), off))
             time.sleep(0.5)
-            return F.decode_resume(body)
+        return resume
 
     # A log it has not heard from: with disk storage the sender decides where to start
     # (-1); a node that keeps nothing across restarts wants nothing from before (-2).

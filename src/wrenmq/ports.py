@@ -40,15 +40,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_port(port, proc, timeout=20.0, what="the broker"):
-    """Until `port` accepts connections; RuntimeError if `proc` exits first, TimeoutError."""
+def wait_port(port, proc=None, timeout=20.0, what="the broker"):
+    """Until `port` accepts connections; RuntimeError if `proc` (when given) exits first,
+    TimeoutError."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{what} exited with status {proc.returncode}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
         except OSError:
-            time.sleep(0.1)
+            time.sleep(0.05)
     raise TimeoutError(f"{what} is not listening on port {port}")

@@ -59,62 +59,60 @@ def message_from(pkt, client_id, timestamp, now):
                    now + interval if interval is not None else None, client_id, None, None, True, timestamp)
 
 
+def _json_frame(kind, fields):
+    """A control frame: `fields` as JSON."""
+    body = json.dumps(fields).encode()
+    return _FRAME.pack(len(body) + 1, kind) + body
+
+
+def _json_fields(body, name, pick):
+    """`pick(the JSON object of a control frame's body)`; FrameError if the body is not
+    JSON or `pick` finds what it needs missing or of the wrong type."""
+    try:
+        return pick(json.loads(bytes(body)))
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
+        raise FrameError(f"malformed {name}: {e}") from None
+
+
 def encode_hello(cluster, node, secret, log_id="", log_from=0, run=""):
     """`log_id`: the identity of the sender's commit log ("" if it has none to replay
     from); `log_from`: the first offset this run of the sender wrote (everything before
     it is on its disk); `run`: an identity of the sender's process."""
-    body = json.dumps({"cluster": cluster, "node": node, "secret": secret, "log": log_id,
-                       "from": log_from, "run": run}).encode()
-    return _FRAME.pack(len(body) + 1, HELLO) + body
+    return _json_frame(HELLO, {"cluster": cluster, "node": node, "secret": secret, "log": log_id,
+                               "from": log_from, "run": run})
 
 
 def decode_hello(body):
     """(cluster, node, secret, log id, log from, run)."""
-    try:
-        hello = json.loads(bytes(body))
-        return (str(hello["cluster"]), str(hello["node"]), str(hello.get("secret", "")),
-                str(hello.get("log", "")), int(hello.get("from", 0)), str(hello.get("run", "")))
-    except (ValueError, KeyError, TypeError, OverflowError) as e:
-        raise FrameError(f"malformed HELLO: {e}") from None
+    return _json_fields(body, "HELLO", lambda h: (
+        str(h["cluster"]), str(h["node"]), str(h.get("secret", "")), str(h.get("log", "")),
+        int(h.get("from", 0)), str(h.get("run", ""))))
 
 
 def encode_resume(offset):
-    body = json.dumps({"offset": offset}).encode()
-    return _FRAME.pack(len(body) + 1, RESUME) + body
+    return _json_frame(RESUME, {"offset": offset})
 
 
 def decode_resume(body):
-    try:
-        return int(json.loads(bytes(body))["offset"])
-    except (ValueError, KeyError, TypeError, OverflowError) as e:
-        raise FrameError(f"malformed RESUME: {e}") from None
+    return _json_fields(body, "RESUME", lambda r: int(r["offset"]))
 
 
 def encode_route(seq, group, flt, online):
-    body = json.dumps({"seq": seq, "group": group, "filter": flt, "online": bool(online)}).encode()
-    return _FRAME.pack(len(body) + 1, ROUTE) + body
+    return _json_frame(ROUTE, {"seq": seq, "group": group, "filter": flt, "online": bool(online)})
 
 
 def decode_route(body):
     """(seq, group or None, filter, online) of a ROUTE body."""
-    try:
-        r = json.loads(bytes(body))
-        group = r["group"]
-        return int(r["seq"]), None if group is None else str(group), str(r["filter"]), bool(r["online"])
-    except (ValueError, KeyError, TypeError, OverflowError) as e:
-        raise FrameError(f"malformed ROUTE: {e}") from None
+    return _json_fields(body, "ROUTE", lambda r: (
+        int(r["seq"]), None if r["group"] is None else str(r["group"]), str(r["filter"]), bool(r["online"])))
 
 
 def encode_route_ack(seq):
-    body = json.dumps({"seq": seq}).encode()
-    return _FRAME.pack(len(body) + 1, ROUTE_ACK) + body
+    return _json_frame(ROUTE_ACK, {"seq": seq})
 
 
 def decode_route_ack(body):
-    try:
-        return int(json.loads(bytes(body))["seq"])
-    except (ValueError, KeyError, TypeError, OverflowError) as e:
-        raise FrameError(f"malformed ROUTE_ACK: {e}") from None
+    return _json_fields(body, "ROUTE_ACK", lambda r: int(r["seq"]))
 
 
 def encode_forward(publish, flags, client_id, timestamp, groups=(), offset=-1):
@@ -175,16 +173,11 @@ def decode_forward(body, decoder=None):
 
 
 def encode_session_ask(request_id, client_id):
-    body = json.dumps({"id": request_id, "cid": client_id}).encode()
-    return _FRAME.pack(len(body) + 1, SESSION_ASK) + body
+    return _json_frame(SESSION_ASK, {"id": request_id, "cid": client_id})
 
 
 def decode_session_ask(body):
-    try:
-        ask = json.loads(bytes(body))
-        return int(ask["id"]), str(ask["cid"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise FrameError(f"malformed SESSION_ASK: {e}") from None
+    return _json_fields(body, "SESSION_ASK", lambda a: (int(a["id"]), str(a["cid"])))
 
 
 def encode_session(state, publishes):

@@ -538,8 +538,7 @@ class Cluster:
             self.route_seq += 1
             frame = F.encode_route(self.route_seq, group, flt, value != b"0")
             for peer in self.peers.values():
-                link = peer.link
-                if link is not None and link.resume.done() and not link.transport.is_closing():
+                if self._linked(peer):
                     self._send_control(peer, frame)
                     peer.route_sent = self.route_seq
 
@@ -954,13 +953,14 @@ class Cluster:
             # or behind gets none while another can take it); if none has one, among
             # all that have members (the message waits in a queue).
             peers = self.peers
+            live_of = lambda online: tuple(n for n in online if n in peers and peers[n].up)  # noqa: E731
             for g in local_groups:
                 key = (g.name, g.filter)
                 seen.add(key)
                 others = shared.get(key)
                 if others:
                     online, every = others
-                    live = tuple(n for n in online if n in peers and peers[n].up)
+                    live = live_of(online)
                     if any(m.session.conn is not None for m in g.members):
                         nodes_for = (me,) + live
                     else:
@@ -972,8 +972,7 @@ class Cluster:
                 keep.append(g)
             for key, (online, every) in shared.items():
                 if key not in seen:
-                    live = tuple(n for n in online if n in peers and peers[n].up)
-                    groups_for.setdefault(self.picker.pick(key, live or online or every), []).append(key)
+                    groups_for.setdefault(self.picker.pick(key, live_of(online) or online or every), []).append(key)
             if len(keep) != len(local_groups):
                 hit = (hit[0], tuple(keep))
         delivered = router.route(msg, hit)
@@ -1154,15 +1153,20 @@ class Cluster:
             return
         fut.set_result((state, pkts))
 
+    @staticmethod
+    def _linked(peer):
+        """`peer`'s link is open and has answered its HELLO (live, or replaying)."""
+        link = peer.link
+        return link is not None and link.resume.done() and not link.transport.is_closing()
+
     def _send_control(self, peer, frame):
         """A frame that is never dropped for space (small, or a session): after this turn's
         other frames for the peer, at once on a link that is replaying (a session's
         hand-over does not wait behind a backlog), or queued for its link."""
-        link = peer.link
-        if peer.up and link is not None:
+        if peer.up and peer.link is not None:
             self._append_out(peer, frame)
-        elif link is not None and link.resume.done() and not link.transport.is_closing():
-            link.transport.write(frame)
+        elif self._linked(peer):
+            peer.link.transport.write(frame)
         else:
             peer.queue.append(frame)
             peer.queued += len(frame)

@@ -169,6 +169,13 @@ class StorageSection:
                                     "After a flood the broker keeps about this much of written epochs' "
                                     "record buffers for reuse.",
                                     65536)
+    min_free_bytes: int = _key(67108864, "Free space the filesystem of data_dir keeps (bytes; 0 = no "
+                               "check). Below it the broker takes no new messages rather than run "
+                               "the disk full: QoS 1/2 PUBLISHes are refused (MQTT 5: PUBACK/PUBREC "
+                               "0x97 quota exceeded; 3.1.1, which has no refusal, closes the "
+                               "connection unacknowledged, so the client sends it again later), "
+                               "QoS 0 ones are delivered live but not recorded in the log. It "
+                               "takes them again once an eighth more than this is free (at most 64 MiB more).", 0)
 
 
 @dataclass

@@ -83,6 +83,7 @@ class Broker:
         # Output held until the epoch that produced it is durable: [epoch id, [(conn, bytes)]].
         self._held = collections.deque()
         self._checkpoint_handle = None
+        self._disk_handle = None
         self._accept = {}  # listener name -> connection_rate token bucket
 
     # --- lifecycle -----------------------------------------------------------
@@ -141,6 +142,26 @@ class Broker:
                  store.fsync, "on" if self.config.log.enabled else "off (owed messages only)", store.next_offset)
         self._checkpoint_handle = self.loop.call_later(
             self.config.storage.checkpoint_interval_ms / 1000.0, self._checkpoint)
+        if store.min_free:
+            store.on_disk = self._on_disk
+            self._watch_disk()
+
+    def _watch_disk(self):
+        """Once a second: space freed or taken by others moves [storage] min_free_bytes' alarm
+        too (the writer has it looked at as it writes)."""
+        self.store.watch_disk()
+        self._disk_handle = self.loop.call_later(1.0, self._watch_disk)
+
+    def _on_disk(self, low):
+        """The data directory's free space crossed [storage] min_free_bytes."""
+        store = self.store
+        if low:
+            log.warning("%s has %d bytes free, under [storage] min_free_bytes (%d): taking no new "
+                        "messages (QoS 1/2 refused, QoS 0 delivered but not recorded) until %d are free",
+                        store.data_dir, store.disk_free, store.min_free, store.resume_free)
+        else:
+            log.warning("%s has %d bytes free again: taking messages", store.data_dir, store.disk_free)
+        self.router.set_disk_low(low)
 
     async def stop(self):
         """Stop accepting, tell 5.0 clients 0x8B (server shutting down), close everything."""
@@ -151,7 +172,7 @@ class Broker:
             server.close()
         if self.cluster is not None:
             await self.cluster.stop()  # the other nodes stop sending here at once
-        for h in (self._sys_handle, self._timer, self._checkpoint_handle, self._sweep_handle):
+        for h in (self._sys_handle, self._timer, self._checkpoint_handle, self._sweep_handle, self._disk_handle):
             if h is not None:
                 h.cancel()
         for conn in list(self.connections):
@@ -471,6 +492,9 @@ class Broker:
             "$SYS/broker/log/batches": store.batches,
             "$SYS/broker/log/writer_wakes": store.wakes,
         })
+        if store.min_free:
+            values["$SYS/broker/store/disk_free_bytes"] = store.disk_free
+            values["$SYS/broker/store/disk_low"] = int(store.disk_low)
         if store.log is not None:
             values["$SYS/broker/log/segments"] = len(store.log.segments)
             values["$SYS/broker/log/truncated_bytes"] = store.log.truncated_bytes

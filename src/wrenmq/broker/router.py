@@ -44,7 +44,8 @@ class Stats:
     __slots__ = ("started", "msgs_received", "msgs_sent", "bytes_received", "bytes_sent",
                  "pub_received", "pub_sent", "pub_dropped", "connects", "clients_maximum",
                  "denied_publish", "denied_subscribe", "denied_deliver", "expired", "rate_limited",
-                 "refused_connections", "retained_refused", "sessions_refused", "_logged")
+                 "refused_connections", "retained_refused", "sessions_refused", "refused_disk_low",
+                 "_logged")
 
     def __init__(self):
         self.started = time.time()
@@ -130,6 +131,7 @@ class Router:
         self.cluster = None  # cluster.node.Cluster when [cluster] is on: other nodes' interest, links
         self._adopted = set()  # client ids of sessions handed over by another node, not yet stored here
         self.retained_clears = {}  # topic -> time of its retained clear (cluster only; see _retain)
+        self.disk_low = False  # [storage] min_free_bytes crossed: no new messages (set_disk_low)
         self.maximum_qos = config.broker.maximum_qos
         self.retain_available = config.broker.retain_available
         self.max_queued = self.limits.max_queued_messages
@@ -587,8 +589,18 @@ class Router:
                 session.add_incoming_qos2(pid)
                 session.conn.send(bytes((_PUBREC, 2, pid >> 8, pid & 0xFF)))
                 return
-        if qos and session.v5 and len(session.incoming_qos2) >= session.receive_max_in:
-            raise MQTTError(C.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
+        if qos:
+            if session.v5 and len(session.incoming_qos2) >= session.receive_max_in:
+                raise MQTTError(C.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
+            if self.disk_low:
+                # The log could not keep it: refuse it rather than acknowledge it. 3.1.1 has
+                # no refusal; the client sends it again after the connection closes.
+                stats.refused_disk_low += 1
+                if session.v5:
+                    session.conn.send(_encode_ack(_PUBACK if qos == 1 else _PUBREC, pid, C.QUOTA_EXCEEDED, True))
+                else:
+                    session.conn.close(C.QUOTA_EXCEEDED)
+                return
 
         reason = 0
         denied = topic[:1] == "$" and (topic.startswith("$SYS") or topic.startswith("$share"))
@@ -1031,7 +1043,8 @@ class Router:
         # (no properties) may be recorded straight from the packet, which `[limits]
         # max_message_expiry` forbids (its messages record an expiry); a tuple field, not
         # an attribute: the hot path reads it for every logged message.
-        logged = self.topic_log(topic.encode()) if persist is not None and persist.logged(topic) else None
+        logged = self.topic_log(topic.encode()) if persist is not None and not self.disk_low and \
+            persist.logged(topic) else None
         result = (normal, groups, logged, not self.limits.max_message_expiry)
         if len(self._matches) > 100_000:
             self._matches.clear()
@@ -1314,6 +1327,13 @@ class Router:
         return True
 
     # --- broker-side API ---------------------------------------------------
+
+    def set_disk_low(self, low):
+        """[storage] min_free_bytes crossed (`low`) or cleared: QoS 1/2 PUBLISHes are refused
+        meanwhile (handle_publish), and the match cache, which says which topics the log
+        records, is rebuilt without the log or with it again."""
+        self.disk_low = low
+        self._matches.clear()
 
     def publish_internal(self, topic, payload, qos=0, retain=False, properties=None):
         """Publish as the broker itself ($SYS, the embedding application)."""

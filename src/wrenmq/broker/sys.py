@@ -58,6 +58,7 @@ class SysTopics:
             "$SYS/broker/publish/messages/sent": s.pub_sent,
             "$SYS/broker/publish/messages/dropped": s.pub_dropped,
             "$SYS/broker/publish/messages/denied": s.denied_publish,
+            "$SYS/broker/publish/messages/refused": s.refused_disk_low,
             "$SYS/broker/clients/rate_limited": s.rate_limited,
             "$SYS/broker/connections/refused": s.refused_connections,
             "$SYS/broker/store/messages/bytes": r.queued_bytes,

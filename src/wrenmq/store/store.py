@@ -218,6 +218,17 @@ class Store(EpochAppender):
         self.opened_at = self.next_offset
         if st.fsync == "never":  # a segment the log rolls away from is the kernel's to write back
             self.log.sealed_sync = False
+        # [storage] min_free_bytes: `disk_low` (set on the loop only, by `watch_disk`) while the
+        # data directory's filesystem has less free; the broker then takes no new messages.
+        # The writer looks each time it has written a quarter of what was left above the line
+        # at the last look (so it looks more often as the line nears), the broker once a
+        # second (space others take or free).
+        self.min_free = st.min_free_bytes
+        self.disk_low = False
+        self.disk_free = -1  # free bytes at the last look
+        self.on_disk = None  # loop-side callback(low) when disk_low changes
+        self._disk_step = 1 << 20  # bytes the writer writes before it looks again
+        self._disk_seen = 0  # bytes_appended when the writer last looked
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -542,6 +553,43 @@ class Store(EpochAppender):
         self.appended += count
         self.batches += 1
         self.bytes_appended += size
+        if self.min_free and self.bytes_appended - self._disk_seen >= self._disk_step:
+            self._disk_seen = self.bytes_appended
+            if self._disk_changes() and self.loop is not None:
+                self.loop.call_soon_threadsafe(self.watch_disk)
+
+    # --- free space --------------------------------------------------------------
+
+    def _disk_changes(self):
+        """Whether `disk_low` should flip (any thread): below min_free it goes on, and off
+        again only at `resume_free`, so it does not flap at the line."""
+        st = os.statvfs(self.data_dir)
+        free = self.disk_free = st.f_bavail * st.f_frsize
+        self._disk_step = max((free - self.min_free) // 4, 1 << 20)
+        if self.disk_low:
+            return free >= self.resume_free
+        return free < self.min_free
+
+    @property
+    def resume_free(self):
+        """Free bytes at which a low disk is taken as freed: an eighth more than
+        min_free_bytes, at most 64 MiB more."""
+        return self.min_free + min(self.min_free // 8, 64 << 20)
+
+    def watch_disk(self):
+        """Look at the free space now (the loop); flip `disk_low` and call `on_disk` if it
+        changed. Nothing with min_free_bytes = 0."""
+        if not self.min_free:
+            return
+        try:
+            changed = self._disk_changes()
+        except OSError as exc:  # (the directory is gone: writing fails and says so)
+            log.warning("cannot read the free space of %s: %s", self.data_dir, exc)
+            return
+        if changed:
+            self.disk_low = not self.disk_low
+            if self.on_disk is not None:
+                self.on_disk(self.disk_low)
 
     # --- reading back ------------------------------------------------------------
 

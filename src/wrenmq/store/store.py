@@ -223,7 +223,7 @@ class Store(EpochAppender):
         # The writer looks each time it has written a quarter of what was left above the line
         # at the last look (so it looks more often as the line nears), the broker once a
         # second (space others take or free).
-        self.min_free = st.min_free_bytes
+        self.min_free = st.min_free_bytes if hasattr(os, "statvfs") else 0  # (POSIX only)
         self.disk_low = False
         self.disk_free = -1  # free bytes at the last look
         self.on_disk = None  # loop-side callback(low) when disk_low changes

@@ -205,6 +205,8 @@ def read_packets(sock_recv, decoder, n=1, timeout=5.0):
     ('tls = true\ncertfile = "{crt}"\nmin_tls_version = "1.1"', "listener[0].min_tls_version: expected one of 1.2, 1.3"),
     ('tls = true\ncertfile = "{crt}"\ncrlfile = "{ca}"', "listener[0].crlfile: needs cafile"),
     ('origins = ["https://a.example"]', 'listener[0].origins: only for type = "ws"'),
+    ('users = ["prom"]', 'listener[0].users: only for type = "metrics"'),
+    ('type = "metrics"\nusers = ["prom"]', "listener[0].users: needs [auth] password_file"),
     ('type = "ws"\norigins = ["a.example"]', "listener[0].origins: expected origins like"),
 ])
 def test_listener_config_errors_name_the_key(pki, text, key):
@@ -1098,6 +1100,56 @@ path = "/probe/metrics"
     assert scrape(port, "/probe/metrics")[0] == 200
     # MQTT clients are not served on it, and its scrapes are not MQTT connections.
     assert families(scrape(port, "/probe/metrics")[2])["wrenmq_connections_total"][1] == 0
+
+
+def test_metrics_listener_asks_its_users_for_passwords(make_broker, tmp_path):
+    """`users`: HTTP Basic authentication against the broker's password file, which a
+    reload (SIGHUP) re-reads; MQTT logins are not affected."""
+    import base64
+
+    from wrenmq.auth.passwords import hash_password
+
+    pw = tmp_path / "passwords"
+    pw.write_text(f"prom:{hash_password('scrape')}\ndevice:{hash_password('dev')}\n")
+    b = make_broker(f"""
+[[listener]]
+type = "metrics"
+port = 0
+users = ["prom"]
+[auth]
+password_file = "{pw}"
+failed_login_delay = 0.2
+""")
+    port = b.broker.addresses[1][1]
+
+    def get(user=None, password=None):
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        headers = {}
+        if user is not None:
+            headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        started = time.monotonic()
+        conn.request("GET", "/metrics", headers=headers)
+        r = conn.getresponse()
+        body = r.read().decode()
+        conn.close()
+        return r.status, r.headers.get("WWW-Authenticate"), body, time.monotonic() - started
+
+    status, challenge, _, _ = get()
+    assert status == 401 and challenge == 'Basic realm="wrenmq metrics", charset="UTF-8"'
+    status, _, body, _ = get("prom", "scrape")
+    assert status == 200 and "wrenmq_clients_connected" in families(body)
+    assert get("prom", "scrape")[0] == 200  # (remembered: not hashed again)
+    for user, password in (("prom", "wrong"), ("device", "dev"), ("nobody", "scrape")):
+        status, _, body, took = get(user, password)
+        assert status == 401 and "wrenmq" not in body and took >= 0.15, (user, password)
+    assert get("prom", "scrape")[0] == 200
+    # The password file changes and is reloaded: the remembered password goes with it.
+    pw.write_text(f"prom:{hash_password('new')}\n")
+    b.call(b.broker.hooks.reload)
+    assert get("prom", "scrape")[0] == 401
+    assert get("prom", "new")[0] == 200
 
 
 def test_metrics_listener_bounds_its_open_connections(make_broker):

@@ -53,6 +53,9 @@ class ListenerConfig:
     origins: list = _key([], "ws: allowed browser origins (e.g. \"https://app.example.com\"); a "
                          "request with another Origin header gets 403. Clients that send none "
                          "(non-browsers) are let in. Empty = any origin.")
+    users: list = _key([], "metrics: user names of [auth] password_file that may read the figures, "
+                       "with HTTP Basic authentication (Prometheus: basic_auth); others get 401. "
+                       "Empty = no password asked.")
 
     @property
     def label(self):
@@ -339,6 +342,8 @@ def _validate_listener(src, i, lst):
         fail("use_identity_as_username", "not for type = \"metrics\" (no MQTT user there)")
     if lst.origins and lst.type != "ws":
         fail("origins", "only for type = \"ws\"")
+    if lst.users and lst.type != "metrics":
+        fail("users", "only for type = \"metrics\" (MQTT clients log in with [auth] password_file)")
     for origin in lst.origins:
         if "://" not in origin:
             fail("origins", f"expected origins like \"https://host[:port]\", got {origin!r}")
@@ -416,6 +421,9 @@ def validate(cfg):
     seen = set()
     for i, lst in enumerate(cfg.listener):
         _validate_listener(src, i, lst)
+        if lst.users and not cfg.auth.password_file:
+            raise ConfigError(f"{src}: listener[{i}].users: needs [auth] password_file (where their "
+                              "passwords are)")
         key = ("unix", lst.path) if lst.type == "unix" else (lst.bind, lst.port)
         if (lst.port or lst.type == "unix") and key in seen:
             raise ConfigError(f"{src}: listener[{i}]: duplicate listener {lst.label}")

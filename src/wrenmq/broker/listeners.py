@@ -30,6 +30,8 @@ protocol; what differs is what sits in front of it:
 
 import asyncio
 import errno
+import hashlib
+import hmac
 import http
 import logging
 import os
@@ -37,6 +39,7 @@ import re
 import socket
 import ssl
 import stat
+import time
 import urllib.parse
 import weakref
 
@@ -683,6 +686,7 @@ class Listener:
         self._unix_id = None
         self._ws_opening = weakref.WeakSet()  # websockets connections, for close()
         self.open_requests = 0  # metrics: its open connections
+        self._metrics_logins = {}  # metrics users: user -> (password file entry, sha256 of the password)
         self._conn_name = cfg.label  # Connection.listener_name, built once per listener
 
     @property
@@ -826,12 +830,16 @@ class Listener:
             reuse_address=True)
 
     async def _start_metrics(self):
-        from websockets.asyncio.server import ServerConnection, serve
+        from websockets.asyncio.server import ServerConnection, basic_auth, serve
 
         from .metrics import CONTENT_TYPE, render
 
         path = self.cfg.path or DEFAULT_METRICS_PATH
         sys_topics = self.broker.sys_topics
+        # `users`: HTTP Basic authentication against the broker's password file (the one
+        # SIGHUP reloads), as websockets' basic_auth asks it.
+        login = basic_auth(realm="wrenmq metrics", check_credentials=self._metrics_login) \
+            if self.cfg.users else None
 
         def request_over():
             self.open_requests -= 1
@@ -844,9 +852,13 @@ class Listener:
             self.open_requests += 1
             return self._front(MetricsConnection(*args, **kwargs))
 
-        def process_request(connection, request):
+        async def process_request(connection, request):
             if urllib.parse.urlsplit(request.path).path != path:
                 return connection.respond(http.HTTPStatus.NOT_FOUND, "Not Found\n")
+            if login is not None:
+                refused = await login(connection, request)
+                if refused is not None:
+                    return refused
             if request.method not in ("GET", "HEAD"):
                 response = connection.respond(http.HTTPStatus.METHOD_NOT_ALLOWED, "Method Not Allowed\n")
                 response.headers["Allow"] = "GET, HEAD"
@@ -866,6 +878,26 @@ class Listener:
             create_connection=create_connection, server_header=None, open_timeout=5,
             close_timeout=1, logger=_QuietLogger(logging.getLogger("wrenmq.metrics"), {}),
             backlog=128, reuse_address=True)
+
+    async def _metrics_login(self, user, password):
+        """A metrics listener's `users` check: a listed user whose password the password
+        file confirms. Hashing runs in a thread; a refusal waits [auth] failed_login_delay,
+        as an MQTT login's does. A confirmed password is remembered until the file's entry
+        for the user changes (a reload), so a scrape every few seconds hashes once."""
+        auth = self.broker.auth
+        entry = auth.passwords.get(user) if user in self.cfg.users and auth.passwords is not None else None
+        token = hashlib.sha256(password.encode(errors="surrogateescape")).digest()
+        known = self._metrics_logins.get(user)
+        if entry is not None and known is not None and known[0] is entry and hmac.compare_digest(known[1], token):
+            return True
+        started = time.monotonic()
+        if entry is not None and await asyncio.get_running_loop().run_in_executor(None, entry.verify, password):
+            self._metrics_logins[user] = (entry, token)
+            return True
+        log.warning("%s (metrics): refused a request from user %r (%s)", self.where, user,
+                    "wrong password" if entry is not None else "not one of its users, or not in the password file")
+        await asyncio.sleep(max(0.0, auth.delay - (time.monotonic() - started)))
+        return False
 
     async def _ws_session(self, ws):
         ws.uncount()  # its handshake is over: from now on the Connection counts itself

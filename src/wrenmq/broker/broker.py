@@ -160,7 +160,7 @@ class Broker:
                         "messages (QoS 1/2 refused, QoS 0 delivered but not recorded) until %d are free",
                         store.data_dir, store.disk_free, store.min_free, store.resume_free)
         else:
-            log.warning("%s has %d bytes free again: taking messages", store.data_dir, store.disk_free)
+            log.info("%s has %d bytes free again: taking messages", store.data_dir, store.disk_free)
         self.router.set_disk_low(low)
 
     async def stop(self):

@@ -555,7 +555,11 @@ class Store(EpochAppender):
         self.bytes_appended += size
         if self.min_free and self.bytes_appended - self._disk_seen >= self._disk_step:
             self._disk_seen = self.bytes_appended
-            if self._disk_changes() and self.loop is not None:
+            try:
+                changed = self._disk_changes()
+            except OSError:  # (not a failed write: the loop's look says what it is)
+                changed = True
+            if changed and self.loop is not None:
                 self.loop.call_soon_threadsafe(self.watch_disk)
 
     # --- free space --------------------------------------------------------------

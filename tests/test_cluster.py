@@ -687,17 +687,21 @@ def test_wrong_secret_link_is_refused(cluster):
     assert bad.proc.poll() is None  # both nodes keep serving their own clients
 
 
-def test_links_over_mutual_tls(cluster, tmp_path):
+def link_certificates(tmp_path):
+    """[cluster] TLS settings of nodes one CA signed, and the files of a rogue node's (another CA)."""
     import trustme
 
-    ca, other = trustme.CA(), trustme.CA()
     files = {}
-    for name, issuer in (("good", ca), ("rogue", other)):
+    for name, issuer in (("good", trustme.CA()), ("rogue", trustme.CA())):
         cert = issuer.issue_cert("127.0.0.1")
         files[name] = (tmp_path / f"{name}.pem", tmp_path / f"{name}-ca.pem")
         cert.private_key_and_cert_chain_pem.write_to_path(str(files[name][0]))
         issuer.cert_pem.write_to_path(str(files[name][1]))
-    good = {"tls": True, "certfile": str(files["good"][0]), "cafile": str(files["good"][1])}
+    return {"tls": True, "certfile": str(files["good"][0]), "cafile": str(files["good"][1])}, files
+
+
+def test_links_over_mutual_tls(cluster, tmp_path):
+    good, files = link_certificates(tmp_path)
     cl = cluster(**good)
     cl.start("a")
     cl.start("b")
@@ -719,6 +723,39 @@ def test_links_over_mutual_tls(cluster, tmp_path):
     log_a = cl.nodes["a"].log
     assert "link to node c" not in log_a and "link from node c" not in log_a
     assert wait_for(lambda: "cannot connect to node c" in cl.nodes["a"].log and "CERTIFICATE_VERIFY_FAILED" in cl.nodes["a"].log)
+
+
+def test_tls_link_handshakes_count_against_the_link_bound(cluster, tmp_path):
+    """Sockets that open a TLS link port and never finish the handshake take at most
+    _MAX_INLINKS places (each until [limits] connect_timeout); the next is closed at once,
+    before any TLS. Links come up again once they are gone."""
+    import socket
+
+    from wrenmq.cluster.node import _MAX_INLINKS
+
+    good, _ = link_certificates(tmp_path)
+    cl = cluster(**good)
+    a = cl.start("a")
+    idle = [socket.create_connection(("127.0.0.1", a.link_port), timeout=5) for _ in range(_MAX_INLINKS)]
+    try:
+        deadline = time.monotonic() + 5
+        refused = False
+        while not refused and time.monotonic() < deadline:
+            with socket.create_connection(("127.0.0.1", a.link_port), timeout=5) as extra:
+                extra.settimeout(0.5)
+                try:
+                    refused = extra.recv(1) == b""
+                except socket.timeout:  # (the node had not accepted all the idle ones yet)
+                    pass
+        assert refused
+        assert f"0 links open, {_MAX_INLINKS} in their TLS handshake" in a.log
+    finally:
+        for sock in idle:
+            sock.close()
+    cl.start("b")
+    s = cl.client("a")
+    sub(s, "hs/#", 1)
+    await_route(cl.client("b"), s, "hs/1")
 
 
 def test_links_and_routing_go_on_while_etcd_is_down(cluster, tmp_path):

@@ -440,6 +440,17 @@ class _TLSAcceptor(_Wrapper):
             self.inner.resume_writing()
 
 
+def accept_tls(inner, port):
+    """`inner` (a protocol) behind the TLS handshake of an accepted socket, for a port that
+    is not a Listener (the cluster's link port): its handshake is run and logged as a TLS
+    listener's is (_TLSAcceptor), and `inner.connection_made` comes once it is over, with
+    the TLS transport; a failed one calls `inner.abandoned()` instead. `port` has what a
+    Listener gives the acceptor: `broker`, `loop`, `ssl_context`, `label` and a `cfg` with
+    `type` (not "mqtt": the broker's handshake count is for MQTT listeners) and
+    `min_tls_version`."""
+    return _TLSAcceptor(inner, port)
+
+
 # --- WebSocket -------------------------------------------------------------------
 
 

@@ -56,7 +56,7 @@ _SYNC_CHUNK = 1000  # retained messages sent per loop turn when a link comes up
 _RETRY = (0.2, 0.5, 1.0, 2.0, 5.0)
 _HELLO_BYTES = 4096  # the largest frame before a link has said who it is
 _HELLO_TIMEOUT = 5.0  # seconds a link may stay silent before its HELLO
-_MAX_INLINKS = 256  # links from other nodes open at once (one per node is the norm)
+_MAX_INLINKS = 256  # links from other nodes open at once, TLS handshakes included (one per node is the norm)
 _HANDOVER_TIMEOUT = 2.0  # seconds a CONNECT waits for another node to hand its session over
 _ROUTE_TIMEOUT = 1.0  # seconds a SUBACK waits for the other nodes to confirm its new filter
 _MARKS_EVERY = 1.0  # seconds between writes of how far this node got in each sender's log
@@ -138,17 +138,20 @@ class _InLink(asyncio.Protocol):
         self.mark = None  # [sender's log id, last offset of it taken, its run] (Cluster.applied)
         self.transport = None
         self.timer = None
+        self.handshaking = False  # counted in Cluster.handshakes (behind accept_tls)
 
     def connection_made(self, transport):
         self.transport = transport
         cluster = self.cluster
-        if len(cluster.inlinks) >= _MAX_INLINKS:
-            log.warning("cluster: refusing a link from %s: %d links open", transport.get_extra_info("peername"),
-                        len(cluster.inlinks))
-            transport.abort()
-            return
+        self.abandoned()
         cluster.inlinks.add(self)
         self.timer = cluster.loop.call_later(_HELLO_TIMEOUT, self._silent)
+
+    def abandoned(self):
+        """Its TLS handshake is over (accept_tls calls this when it failed)."""
+        if self.handshaking:
+            self.handshaking = False
+            self.cluster.handshakes -= 1
 
     def _silent(self):
         log.warning("cluster: closing a link from %s: no HELLO within %.0f s",
@@ -186,6 +189,32 @@ class _InLink(asyncio.Protocol):
         self.cluster.inlinks.discard(self)
 
 
+class _RefusedLink(asyncio.Protocol):
+    """An accepted link socket past _MAX_INLINKS: closed at once, before any TLS."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def connection_made(self, transport):
+        cluster = self.cluster
+        log.warning("cluster: refusing a link from %s: %d links open, %d in their TLS handshake",
+                    transport.get_extra_info("peername"), len(cluster.inlinks), cluster.handshakes)
+        transport.abort()
+
+
+class _LinkPort:
+    """The link port as `listeners.accept_tls` asks a listener to be."""
+
+    def __init__(self, cluster):
+        self.broker = cluster.broker
+        self.loop = cluster.loop
+        self.ssl_context = cluster.tls_server
+        self.label = f"cluster link port {cluster.cfg.bind}:{cluster.cfg.port}"
+        self.cfg = self  # (the acceptor reads cfg.type and cfg.min_tls_version)
+        self.type = "cluster"
+        self.min_tls_version = "1.2"
+
+
 def _tls_contexts(cfg):
     """(server, client) SSL contexts of mutual TLS between nodes ([cluster] tls)."""
     try:
@@ -217,6 +246,8 @@ class Cluster:
         self.picker = SharedPicker()
         self.peers = {}  # node name -> Peer
         self.inlinks = set()
+        self.handshakes = 0  # accepted links in their TLS handshake: they count against _MAX_INLINKS
+        self._link_port = None  # with TLS: what accept_tls asks of the port (_LinkPort)
         self.server = None
         self.advertise = None
         self.etcd = None
@@ -272,11 +303,10 @@ class Cluster:
         self.loop = asyncio.get_running_loop()
         cfg = self.cfg
         self.tls_server = self.tls_client = None
-        tls = {}
         if cfg.tls:
             self.tls_server, self.tls_client = _tls_contexts(cfg)
-            tls = {"ssl": self.tls_server, "ssl_handshake_timeout": _HELLO_TIMEOUT}
-        self.server = await self.loop.create_server(lambda: _InLink(self), cfg.bind, cfg.port, **tls)
+            self._link_port = _LinkPort(self)
+        self.server = await self.loop.create_server(self._accept, cfg.bind, cfg.port)
         port = self.server.sockets[0].getsockname()[1]
         self.advertise = cfg.advertise or f"{cfg.bind}:{port}"
         if not self.node:
@@ -339,6 +369,22 @@ class Cluster:
                 log.warning("cluster: could not revoke the lease on leaving (%s); the node's keys "
                             "go when it runs out", e)
             await self.etcd.close()
+
+    def _accept(self):
+        """The protocol of an accepted link socket. With TLS its handshake runs first
+        (accept_tls, as on the TLS listeners, so a failure is logged with its reason), and
+        counts against _MAX_INLINKS while it does: with create_server(ssl=...) a socket in
+        its handshake would be invisible until the handshake is over."""
+        if len(self.inlinks) + self.handshakes >= _MAX_INLINKS:
+            return _RefusedLink(self)
+        link = _InLink(self)
+        if self.tls_server is None:
+            return link
+        from ..broker.listeners import accept_tls
+
+        link.handshaking = True
+        self.handshakes += 1
+        return accept_tls(link, self._link_port)
 
     async def _register(self):
         """Take a lease, claim the node name, publish interest and clients, read the rest."""

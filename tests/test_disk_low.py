@@ -5,6 +5,7 @@ that was taking room.
 """
 
 import os
+import subprocess
 import time
 
 from mqtt_helpers import raw_connect, raw_next, rc_int, wait_for
@@ -119,5 +120,13 @@ def test_broker_started_on_a_low_disk_refuses_from_the_first_publish(make_broker
     subscribe(sub3, "d/#", 1)  # subscribing, and its state, still work
     pub.publish("d/q0", b"live", 0)
     assert [m.payload for m in get_messages(sub3, 1)] == [b"live"]
+    # What mosquitto_pub users see: 5.0 reports the refusal, 3.1.1 loses its connection
+    # (and fails: the message was not acknowledged).
+    cmd = ["mosquitto_pub", "-p", str(b.port), "-t", "d/q1", "-m", "m", "-q", "1"]
+    r5 = subprocess.run(cmd + ["-V", "mqttv5"], capture_output=True, text=True, timeout=30)
+    assert "Quota exceeded" in r5.stderr + r5.stdout, (r5.stdout, r5.stderr)
+    r3 = subprocess.run(cmd + ["-V", "mqttv311"], capture_output=True, text=True, timeout=30)
+    assert r3.returncode != 0 and "connection was lost" in r3.stderr.lower(), (r3.returncode, r3.stderr)
+    assert get_messages(sub3, 1, timeout=0.5) == []
     b.stop()
     assert _logged(data) == []

@@ -1064,6 +1064,34 @@ def test_both_nodes_restarted_still_resume_where_the_receiver_got_to(cluster):
     assert [p for p in got if p != b"probe"] == [b"0", b"1", b"2", b"3", b"4"]
 
 
+def test_a_receiver_killed_right_after_qos2_deliveries_does_not_take_them_again(cluster):
+    # Node b gives a persistent QoS 2 session 20 messages from node a and is killed at
+    # once, well inside the second between two writes of how far it got in a's log. The
+    # position was stored with the deliveries' own state: restarted, b does not take them
+    # from a's log again, and the session gets each once.
+    cl = cluster()
+    cl.start("a", storage=disk(cl, "a"))
+    b = cl.start("b", storage=disk(cl, "b"))
+    cid = uid("q2")
+    props = {"SessionExpiryInterval": 300}
+    dev = cl.client("b", client_id=cid, clean=False, properties=props)
+    sub(dev, "q2/#", 2)
+    pub = cl.client("a")
+    await_route(pub, dev, "q2/probe")
+    time.sleep(1.5)  # (the probe's position written by the once-a-second save)
+    publish_all(pub, "q2/x", numbered(20, 16), qos=2)
+    assert wait_for(lambda: dev.messages.qsize() >= 20, timeout=10, interval=0.002)
+    b.kill()
+    assert [m.payload for m in drain(dev) if m.payload != b"probe"] == numbered(20, 16)
+    dev.loop_stop()
+    b.start()
+    again = paho_client(b.port, client_id=cid, clean=False, properties=props)
+    cl.clients.append(again)
+    assert again.connack[1].session_present is True
+    publish(pub, "q2/after", b"after", 2)
+    assert collect(again, 1, timeout=10) == [b"after"]
+
+
 def test_a_node_does_not_take_back_a_retained_message_it_saw_cleared(cluster):
     # Another node, back from an outage, offers (SYNC) its copy of a retained message
     # from before the clear: the node that cleared it remembers the clear and keeps it

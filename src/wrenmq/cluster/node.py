@@ -278,10 +278,12 @@ class Cluster:
         self.log_from = store.opened_at if store is not None else 0
         self.run_id = uuid.uuid4().hex  # this process, in HELLO: a restart is told from a reconnect
         # Sender node -> [its log id, last offset of it taken here, its run]; with disk
-        # storage kept in the state database (a second behind at most), so a restart
+        # storage kept in the state database (a second behind at most, and never behind
+        # a QoS 2 message a persistent session here was given: _received), so a restart
         # still knows where to resume each sender's log from.
         self.applied = self._load_marks()
         self._marks_dirty = False
+        self._marks_op = None  # (epoch, index in its ops) of the marks written with a QoS 2 delivery
         self._saver = None
         self.replayed = 0  # records sent again from the log (link up, or drained)
         self.duplicates = 0  # FORWARDs dropped here: their offset was taken before
@@ -1129,6 +1131,25 @@ class Cluster:
         router.receive_forwarded(msg, flags & F.TO_SUBSCRIBERS, flags & F.SET_RETAINED, flags & F.SYNC,
                                  frozenset(groups) if groups else (), flags & F.REPLAYED)
         msg.packet = None
+        if pkt.qos == 2 and off >= 0 and self.persist is not None and self.persist.store._epoch.durable:
+            self._marks_with_epoch()
+
+    def _marks_with_epoch(self):
+        """A QoS 2 message went to a persistent session here: its delivery state is in the
+        store's current epoch, and so are the marks that say it was taken (one META_SET per
+        epoch, brought up to date by each such message). A crash then loses both or
+        neither: a restart never takes it again from its sender's log, which would give
+        the session a second copy."""
+        self._marks_dirty = False
+        store = self.persist.store
+        epoch = store._epoch
+        op = (META_SET, (_MARKS_KEY, json.dumps(self.applied)))
+        at = self._marks_op
+        if at is not None and at[0] is epoch:
+            epoch.ops[at[1]] = op  # (not sealed yet: the writer has not seen it)
+        else:
+            store.op(*op, durable=False)
+            self._marks_op = (epoch, len(epoch.ops) - 1)
 
     # --- sessions that change node ----------------------------------------------------
 

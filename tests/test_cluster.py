@@ -1092,17 +1092,22 @@ def test_a_receiver_killed_right_after_qos2_deliveries_does_not_take_them_again(
     assert collect(again, 1, timeout=10) == [b"after"]
 
 
-def test_a_node_does_not_take_back_a_retained_message_it_saw_cleared(cluster):
+@pytest.mark.parametrize("restarted", [False, True], ids=["live", "killed-and-restarted"])
+def test_a_node_does_not_take_back_a_retained_message_it_saw_cleared(cluster, restarted):
     # Another node, back from an outage, offers (SYNC) its copy of a retained message
     # from before the clear: the node that cleared it remembers the clear and keeps it
-    # cleared; a copy newer than anything it holds is taken.
+    # cleared, also after a kill -9 and a restart (disk storage); a copy newer than
+    # anything it holds is taken.
     cl = cluster()
-    a = cl.start("a")
+    a = cl.start("a", **({"storage": disk(cl, "a")} if restarted else {}))
     pa = cl.client("a")
     publish(pa, "rc/t", b"v1", 1, retain=True)
     before = time.time()
     time.sleep(0.05)
     publish(pa, "rc/t", b"", 1, retain=True)
+    if restarted:
+        a.kill()
+        a.start()
     sock, _ = open_link(cl, a.link_port, "log-x", 0, "run-x")
     with sock:
         for topic, payload, ts in (("rc/t", b"v1", before), ("rc/u", b"u1", time.time())):

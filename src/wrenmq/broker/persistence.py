@@ -206,8 +206,17 @@ class Persistence:
                 expires = time.time() + (msg.expiry - self.router.clock())
             self.store.op(S.RETAINED_SET, (msg.topic, msg.qos, msg.payload, properties_block(msg),
                                            msg.client_id, msg.timestamp, expires), msg.qos > 0)
+        elif self.router.cluster is not None:
+            # A clear is kept as a row without a payload: the router's retained_clears
+            # survive a restart (restore), so an older copy another node offers later is
+            # still not taken back.
+            self.store.op(S.RETAINED_SET, (msg.topic, 0, b"", b"", "", msg.timestamp, None), msg.qos > 0)
         else:
             self.store.op(S.RETAINED_DELETE, (msg.topic,), msg.qos > 0)
+
+    def retained_clear_forgotten(self, topic):
+        """The router no longer remembers this clear (it keeps the last _CLEARS_KEPT)."""
+        self.store.op(S.RETAINED_DELETE, (topic,), False)
 
     # --- checkpoints -------------------------------------------------------------
 
@@ -353,13 +362,18 @@ class Persistence:
             s.next_pid = pid + 1 if pid < 65535 else 1
         # QoS 1 rows of a clean stop are in memory now; a later crash replays them instead.
         store.op(S.OUT_DELETE_QOS1, (), False)
+        clears = []
         for topic, qos, payload, props, client_id, ts, expires_at in state["retained"]:
+            if not payload:  # a clear a cluster node remembers (retained_changed)
+                clears.append((ts, topic))
+                continue
             if expires_at is not None and expires_at <= now_wall:
                 continue
             p = parse_properties_block(props)
             expiry = now + (expires_at - now_wall) if expires_at is not None else None
             router.retained.set(topic, Message(topic, payload, qos, True, p, expiry, client_id, None,
                                                None, False, ts))
+        router.retained_clears.update((topic, ts) for ts, topic in sorted(clears))  # oldest first
         router.sessions.update(sessions)
         router._matches.clear()
         self._route_unrouted(unrouted)

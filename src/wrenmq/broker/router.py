@@ -973,8 +973,8 @@ class Router:
         """Keep `msg` as its topic's retained message (an empty one clears it), on disk too.
 
         With a cluster, a clear is remembered (its time, for the last _CLEARS_KEPT
-        topics cleared): another node's older copy, sent when its link comes up, must
-        not bring the message back."""
+        topics cleared; on disk too, so across restarts): another node's older copy,
+        sent when its link comes up, must not bring the message back."""
         if msg.payload:
             self.retained.set(msg.topic, msg)
             if self.retained_clears:
@@ -986,7 +986,10 @@ class Router:
                 clears.pop(msg.topic, None)
                 clears[msg.topic] = msg.timestamp
                 if len(clears) > _CLEARS_KEPT:
-                    del clears[next(iter(clears))]
+                    oldest = next(iter(clears))
+                    del clears[oldest]
+                    if self.persist is not None:
+                        self.persist.retained_clear_forgotten(oldest)
         if self.persist is not None:
             self.persist.retained_changed(msg)
 

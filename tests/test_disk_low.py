@@ -57,13 +57,14 @@ def _logged(data):
 def test_low_disk_refuses_qos12_records_nothing_and_takes_messages_again_once_freed(
         make_broker, clients, raw_client, tmp_path):
     filler = _filler(tmp_path)
-    b, data = _low_disk_broker(make_broker, tmp_path, 8 << 20)
+    b, data = _low_disk_broker(make_broker, tmp_path, 32 << 20)
     router = b.broker.router
     watcher = clients(b.port, version=5)
     subscribe(watcher, "d/#", 0)
     pub = clients(b.port, version=5)
 
-    # QoS 1 at 4 KiB until the broker refuses one: after about 8 MiB of log.
+    # QoS 1 at 4 KiB until the broker refuses one: after about 16 MiB of log (the log
+    # allocates 16 MiB of its active segment ahead of its writes).
     acked = []
     refused = None
     for i in range(64 * 256):  # up to 64 MiB
@@ -74,7 +75,7 @@ def test_low_disk_refuses_qos12_records_nothing_and_takes_messages_again_once_fr
         assert rc in (0, C.NO_MATCHING_SUBSCRIBERS), hex(rc)
         acked.append(i)
     assert refused is not None, "64 MiB of messages written and no refusal"
-    assert len(acked) > 1000  # (the line was 8 MiB away)
+    assert len(acked) > 1000  # (the line was 32 MiB away)
     assert b.call(lambda: router.disk_low)
     store = b.broker.store
     end = store.next_offset

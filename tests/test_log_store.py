@@ -415,3 +415,36 @@ def test_direct_io_writes_the_same_files_as_buffered(tmp_path):
     for log in logs.values():
         assert list(log.records()) == written and log.verify() == []
         log.close()
+
+
+def test_active_segment_is_allocated_ahead_and_gives_it_back_when_sealed_or_closed(tmp_path):
+    """The log allocates its active segment's next blocks ahead of the writes
+    (fallocate, keeping the size): readers see only what was written, and a sealed or
+    closed segment holds no blocks past its end."""
+    from wrenmq.store import log as logmod
+
+    seg_bytes = 64 << 20
+    built = Built(tmp_path / "p", segment_bytes=seg_bytes)
+    assert built.log.preallocate, "this filesystem should allow fallocate"
+
+    def allocated(base):
+        return os.stat(built.seg_path(base)).st_blocks * 512
+
+    built.fill(20)
+    first = built.segment_bases()[0]
+    size = built.log.segments[-1].size
+    assert os.path.getsize(built.seg_path(first)) == size
+    assert allocated(first) >= logmod._RESERVE_AHEAD > size
+    assert [r.offset for r in LogReader(built.dir).records()] == [r.offset for r in built.records]
+    built.close()
+    assert allocated(first) < size + 8192
+    # Reopened, it allocates ahead again; rolled to a new segment, the old one gives it back.
+    built.log = built.open()
+    built.append()
+    assert allocated(first) >= built.log.segments[-1].size + logmod._RESERVE_AHEAD
+    built.log.segment_bytes = built.log.segments[-1].size + 1  # (the next batch rolls)
+    built.append()
+    assert len(built.segment_bases()) == 2
+    assert allocated(first) < os.path.getsize(built.seg_path(first)) + 8192
+    built.close()
+    assert [r.offset for r in LogReader(built.dir).records()] == [r.offset for r in built.records]

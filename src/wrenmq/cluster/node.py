@@ -197,8 +197,13 @@ class _RefusedLink(asyncio.Protocol):
 
     def connection_made(self, transport):
         cluster = self.cluster
-        log.warning("cluster: refusing a link from %s: %d links open, %d in their TLS handshake",
-                    transport.get_extra_info("peername"), len(cluster.inlinks), cluster.handshakes)
+        cluster.links_refused += 1
+        now = time.monotonic()
+        if now - cluster.refused_logged >= 1.0:  # (a flood of them is a line a second)
+            cluster.refused_logged = now
+            log.warning("cluster: refusing a link from %s: %d links open, %d in their TLS handshake "
+                        "(%d refused so far)", transport.get_extra_info("peername"), len(cluster.inlinks),
+                        cluster.handshakes, cluster.links_refused)
         transport.abort()
 
 
@@ -247,6 +252,8 @@ class Cluster:
         self.peers = {}  # node name -> Peer
         self.inlinks = set()
         self.handshakes = 0  # accepted links in their TLS handshake: they count against _MAX_INLINKS
+        self.links_refused = 0  # sockets closed at once: _MAX_INLINKS open or in their handshake
+        self.refused_logged = float("-inf")  # when _RefusedLink last logged
         self._link_port = None  # with TLS: what accept_tls asks of the port (_LinkPort)
         self.server = None
         self.advertise = None

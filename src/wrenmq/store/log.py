@@ -1126,9 +1126,13 @@ class CommitLog(LogReader):
         self._reserved = end
 
     def _give_back(self, seg):
-        """Free the blocks allocated past the segment's end (its size is what was written)."""
+        """Free the blocks allocated past the segment's end (its size is what was written).
+        Only space: a failure here loses nothing, and is left to the next write or sync."""
         if self._reserved is not None and self._reserved > seg.size and self._wfd is not None:
-            os.ftruncate(self._wfd, seg.size)
+            try:
+                os.ftruncate(self._wfd, seg.size)
+            except OSError as e:
+                log.warning("%s: could not give back the space allocated past its end: %s", seg.log_path, e)
         self._reserved = None
 
     @property

@@ -40,13 +40,25 @@ def _publish_acked(client, topic, payload, qos=1, timeout=5.0):
             return rc_int(rc)
 
 
-def _low_disk_broker(make_broker, tmp_path, margin):
+def _low_disk_broker(make_broker, tmp_path, margin, extra=""):
     """A broker whose data directory is `margin` bytes above [storage] min_free_bytes."""
     data = tmp_path / "data"
     data.mkdir()
     line = _free(tmp_path) - margin
-    b = make_broker(f'[storage]\ndata_dir = "{data}"\nfsync = "interval"\nmin_free_bytes = {line}\n')
+    b = make_broker(f'{extra}[storage]\ndata_dir = "{data}"\nfsync = "interval"\nmin_free_bytes = {line}\n')
     return b, data
+
+
+def _health(port):
+    """GET /health of a metrics listener: (status, body)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def _logged(data):
@@ -113,8 +125,10 @@ def test_low_disk_refuses_qos12_records_nothing_and_takes_messages_again_once_fr
 
 
 def test_broker_started_on_a_low_disk_refuses_from_the_first_publish(make_broker, clients, tmp_path):
-    b, data = _low_disk_broker(make_broker, tmp_path, -(64 << 20))  # already 64 MiB under the line
+    b, data = _low_disk_broker(make_broker, tmp_path, -(64 << 20),  # already 64 MiB under the line
+                               '[[listener]]\ntype = "metrics"\nport = 0\n')
     assert b.call(lambda: b.broker.router.disk_low)
+    assert _health(b.broker.addresses[1][1]) == (200, '{"status": "disk_low"}\n')
     pub = clients(b.port, version=5)
     assert _publish_acked(pub, "d/q1", b"x") == C.QUOTA_EXCEEDED
     sub3 = clients(b.port, version=4)

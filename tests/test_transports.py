@@ -1138,6 +1138,8 @@ failed_login_delay = 0.2
 
     status, challenge, _, _ = get()
     assert status == 401 and challenge == 'Basic realm="wrenmq metrics", charset="UTF-8"'
+    # The health probe needs no credentials, and says no more than that.
+    assert scrape(port, "/health")[:3:2] == (200, '{"status": "ok"}\n')
     status, _, body, _ = get("prom", "scrape")
     assert status == 200 and "wrenmq_clients_connected" in families(body)
     assert get("prom", "scrape")[0] == 200  # (remembered: not hashed again)

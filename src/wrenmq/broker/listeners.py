@@ -33,6 +33,7 @@ import errno
 import hashlib
 import hmac
 import http
+import json
 import logging
 import os
 import re
@@ -51,6 +52,9 @@ log = logging.getLogger("wrenmq.listeners")
 
 DEFAULT_WS_PATH = "/mqtt"
 DEFAULT_METRICS_PATH = "/metrics"
+# Also answered by a metrics listener, without credentials: a probe (Kubernetes liveness
+# and readiness) that the broker's event loop answers, with what stops it taking messages.
+HEALTH_PATH = "/health"
 # Connections a metrics listener holds at once. Prometheus scrapes over one; the bound
 # keeps what a flood of idle connections (each kept up to the 5 s request timeout) holds.
 METRICS_MAX_OPEN = 64
@@ -864,7 +868,10 @@ class Listener:
             return self._front(MetricsConnection(*args, **kwargs))
 
         async def process_request(connection, request):
-            if urllib.parse.urlsplit(request.path).path != path:
+            asked = urllib.parse.urlsplit(request.path).path
+            if asked == HEALTH_PATH and asked != path and request.method == "GET":
+                return self._health(connection)
+            if asked != path:
                 return connection.respond(http.HTTPStatus.NOT_FOUND, "Not Found\n")
             if login is not None:
                 refused = await login(connection, request)
@@ -889,6 +896,23 @@ class Listener:
             create_connection=create_connection, server_header=None, open_timeout=5,
             close_timeout=1, logger=_QuietLogger(logging.getLogger("wrenmq.metrics"), {}),
             backlog=128, reuse_address=True)
+
+    def _health(self, connection):
+        """GET /health: 200 and {"status": "ok"} while the broker takes messages, "disk_low"
+        while [storage] min_free_bytes stops it (it still serves); 503 and "failed" once
+        the store can no longer write (the broker is stopping)."""
+        broker = self.broker
+        store = broker.store
+        if broker.failed is not None:
+            status, code = "failed", http.HTTPStatus.SERVICE_UNAVAILABLE
+        elif store is not None and store.disk_low:
+            status, code = "disk_low", http.HTTPStatus.OK
+        else:
+            status, code = "ok", http.HTTPStatus.OK
+        response = connection.respond(code, json.dumps({"status": status}) + "\n")
+        del response.headers["Content-Type"]
+        response.headers["Content-Type"] = "application/json"
+        return response
 
     async def _metrics_login(self, user, password):
         """A metrics listener's `users` check: a listed user whose password the password

@@ -30,7 +30,8 @@ def _key(default, doc, lo=None, hi=None, choices=None):
 class ListenerConfig:
     type: str = _key("mqtt", "\"mqtt\": MQTT over TCP; \"ws\": MQTT over WebSocket (subprotocol mqtt); "
                      "\"unix\": MQTT over a Unix domain socket at `path` (local tools); "
-                     "\"metrics\": no MQTT, the $SYS figures for Prometheus over HTTP (GET `path`).",
+                     "\"metrics\": no MQTT, the $SYS figures for Prometheus over HTTP (GET `path`), and a "
+                     "health probe (GET /health).",
                      choices=("mqtt", "ws", "unix", "metrics"))
     bind: str = _key("127.0.0.1", "Address to listen on; 0.0.0.0 or :: for all interfaces.")
     port: int = _key(1883, "TCP port; 0 picks a free port.", 0, 65535)

@@ -749,6 +749,7 @@ def test_tls_link_handshakes_count_against_the_link_bound(cluster, tmp_path):
                     pass
         assert refused
         assert f"0 links open, {_MAX_INLINKS} in their TLS handshake" in a.log
+        assert int(sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/links/refused")) >= 1
     finally:
         for sock in idle:
             sock.close()
@@ -1201,7 +1202,7 @@ def test_cluster_figures_for_prometheus(cluster):
     assert f["wrenmq_cluster_dropped_messages_total"][1] == 0
     assert f["wrenmq_cluster_sessions_handed_over_total"][1] == 0
     for name in ("replayed_messages_total", "duplicate_messages_total", "replay_lost_total",
-                 "links_fell_behind_total", "routes_late_total"):
+                 "links_fell_behind_total", "links_refused_total", "routes_late_total"):
         assert f[f"wrenmq_cluster_{name}"] == ("counter", 0.0, {})
 
 

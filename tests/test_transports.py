@@ -1140,6 +1140,13 @@ failed_login_delay = 0.2
     assert status == 401 and challenge == 'Basic realm="wrenmq metrics", charset="UTF-8"'
     # The health probe needs no credentials, and says no more than that.
     assert scrape(port, "/health")[:3:2] == (200, '{"status": "ok"}\n')
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("HEAD", "/health")
+    head = conn.getresponse()
+    assert head.status == 200 and head.read() == b"" and int(head.headers["Content-Length"]) == 17
+    conn.close()
     status, _, body, _ = get("prom", "scrape")
     assert status == 200 and "wrenmq_clients_connected" in families(body)
     assert get("prom", "scrape")[0] == 200  # (remembered: not hashed again)

@@ -869,8 +869,11 @@ class Listener:
 
         async def process_request(connection, request):
             asked = urllib.parse.urlsplit(request.path).path
-            if asked == HEALTH_PATH and asked != path and request.method == "GET":
-                return self._health(connection)
+            if asked == HEALTH_PATH and asked != path and request.method in ("GET", "HEAD"):
+                response = self._health(connection)
+                if request.method == "HEAD":  # (its Content-Length stays the GET's)
+                    response.body = b""
+                return response
             if asked != path:
                 return connection.respond(http.HTTPStatus.NOT_FOUND, "Not Found\n")
             if login is not None:

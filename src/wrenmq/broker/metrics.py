@@ -107,6 +107,8 @@ METRICS = (
      "Messages from another node dropped here because they had arrived before."),
     ("$SYS/broker/cluster/messages/replay_lost", "wrenmq_cluster_replay_lost_total", "counter",
      "Records another node needed replayed that [log] retention had deleted first."),
+    ("$SYS/broker/cluster/links/refused", "wrenmq_cluster_links_refused_total", "counter",
+     "Sockets on the link port closed at once: 256 links open or in their TLS handshake."),
     ("$SYS/broker/cluster/links/fell_behind", "wrenmq_cluster_links_fell_behind_total", "counter",
      "Times a link to another node was full past [cluster] link_buffer and went on from the commit log."),
     ("$SYS/broker/cluster/routes/late", "wrenmq_cluster_routes_late_total", "counter",

@@ -1260,6 +1260,7 @@ class Cluster:
             "$SYS/broker/cluster/messages/duplicates": self.duplicates,
             "$SYS/broker/cluster/messages/replay_lost": self.replay_lost,
             "$SYS/broker/cluster/links/fell_behind": self.fell_behind,
+            "$SYS/broker/cluster/links/refused": self.links_refused,
             "$SYS/broker/cluster/routes/late": self.route_timeouts,
             "$SYS/broker/cluster/takeovers": self.takeovers,
             "$SYS/broker/cluster/sessions/handed_over": self.handed_over,

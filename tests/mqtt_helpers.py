@@ -29,6 +29,19 @@ def wait_for(pred, timeout=5.0, interval=0.02):
         time.sleep(interval)
 
 
+def scrape(port, path="/metrics", context=None):
+    """GET over real HTTP(S) (a metrics listener); (status, content type, text)."""
+    import urllib.error
+    import urllib.request
+
+    scheme = "https" if context is not None else "http"
+    try:
+        with urllib.request.urlopen(f"{scheme}://127.0.0.1:{port}{path}", timeout=10, context=context) as r:
+            return r.status, r.headers["Content-Type"], r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read().decode()
+
+
 def pprops(kind="PUBLISH", **kw):
     """paho Properties for a packet type: pprops("PUBLISH", ContentType="x")."""
     p = Properties(getattr(PacketTypes, kind))

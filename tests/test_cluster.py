@@ -1178,7 +1178,8 @@ def test_a_link_takes_each_offset_of_a_senders_log_once(cluster, storage):
 
 
 def test_cluster_figures_for_prometheus(cluster):
-    from test_transports import families, scrape
+    from mqtt_helpers import scrape
+    from test_transports import families
 
     cl = cluster()
     metrics_port = free_port()

@@ -8,7 +8,7 @@ import os
 import subprocess
 import time
 
-from mqtt_helpers import raw_connect, raw_next, rc_int, wait_for
+from mqtt_helpers import raw_connect, raw_next, rc_int, scrape, wait_for
 from conftest import subscribe, get_messages
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.packets import Publish
@@ -47,18 +47,6 @@ def _low_disk_broker(make_broker, tmp_path, margin, extra=""):
     line = _free(tmp_path) - margin
     b = make_broker(f'{extra}[storage]\ndata_dir = "{data}"\nfsync = "interval"\nmin_free_bytes = {line}\n')
     return b, data
-
-
-def _health(port):
-    """GET /health of a metrics listener: (status, body)."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def _logged(data):
@@ -128,7 +116,7 @@ def test_broker_started_on_a_low_disk_refuses_from_the_first_publish(make_broker
     b, data = _low_disk_broker(make_broker, tmp_path, -(64 << 20),  # already 64 MiB under the line
                                '[[listener]]\ntype = "metrics"\nport = 0\n')
     assert b.call(lambda: b.broker.router.disk_low)
-    assert _health(b.broker.addresses[1][1]) == (200, '{"status": "disk_low"}\n')
+    assert scrape(b.broker.addresses[1][1], "/health")[::2] == (200, '{"status": "disk_low"}\n')
     pub = clients(b.port, version=5)
     assert _publish_acked(pub, "d/q1", b"x") == C.QUOTA_EXCEEDED
     sub3 = clients(b.port, version=4)

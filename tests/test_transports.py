@@ -26,7 +26,7 @@ import pytest
 import trustme
 
 from conftest import ROOT, RunningBroker, free_port, wait_port
-from mqtt_helpers import wait_for
+from mqtt_helpers import scrape, wait_for
 from wrenmq.broker import Hook
 from wrenmq.broker.listeners import cert_common_name
 from wrenmq.config import ConfigError, load
@@ -985,19 +985,6 @@ def test_unix_socket_stale_file_and_in_use(make_broker, unix_path):
 
 
 # --- the metrics listener ------------------------------------------------------------------
-
-
-def scrape(port, path="/metrics", context=None):
-    """GET over real HTTP(S); (status, content type, text)."""
-    import urllib.error
-    import urllib.request
-
-    scheme = "https" if context is not None else "http"
-    try:
-        with urllib.request.urlopen(f"{scheme}://127.0.0.1:{port}{path}", timeout=10, context=context) as r:
-            return r.status, r.headers["Content-Type"], r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers["Content-Type"], e.read().decode()
 
 
 def families(text):

@@ -867,13 +867,19 @@ class Listener:
             self.open_requests += 1
             return self._front(MetricsConnection(*args, **kwargs))
 
+        def answer(connection, request, code, body, content_type):
+            """`body` as `content_type`; to HEAD, the GET's headers (its Content-Length too)."""
+            response = connection.respond(code, body)
+            del response.headers["Content-Type"]
+            response.headers["Content-Type"] = content_type
+            if request.method == "HEAD":
+                response.body = b""
+            return response
+
         async def process_request(connection, request):
             asked = urllib.parse.urlsplit(request.path).path
             if asked == HEALTH_PATH and asked != path and request.method in ("GET", "HEAD"):
-                response = self._health(connection)
-                if request.method == "HEAD":  # (its Content-Length stays the GET's)
-                    response.body = b""
-                return response
+                return answer(connection, request, *self._health(), "application/json")
             if asked != path:
                 return connection.respond(http.HTTPStatus.NOT_FOUND, "Not Found\n")
             if login is not None:
@@ -884,12 +890,7 @@ class Listener:
                 response = connection.respond(http.HTTPStatus.METHOD_NOT_ALLOWED, "Method Not Allowed\n")
                 response.headers["Allow"] = "GET, HEAD"
                 return response
-            response = connection.respond(http.HTTPStatus.OK, render(sys_topics))
-            del response.headers["Content-Type"]
-            response.headers["Content-Type"] = CONTENT_TYPE
-            if request.method == "HEAD":  # the GET's headers (its Content-Length too), no body
-                response.body = b""
-            return response
+            return answer(connection, request, http.HTTPStatus.OK, render(sys_topics), CONTENT_TYPE)
 
         async def never(ws):  # (every request is answered by process_request)
             await ws.close()
@@ -900,10 +901,10 @@ class Listener:
             close_timeout=1, logger=_QuietLogger(logging.getLogger("wrenmq.metrics"), {}),
             backlog=128, reuse_address=True)
 
-    def _health(self, connection):
-        """GET /health: 200 and {"status": "ok"} while the broker takes messages, "disk_low"
-        while [storage] min_free_bytes stops it (it still serves); 503 and "failed" once
-        the store can no longer write (the broker is stopping)."""
+    def _health(self):
+        """GET /health, as (status code, JSON body): 200 and {"status": "ok"} while the broker
+        takes messages, "disk_low" while [storage] min_free_bytes stops it (it still
+        serves); 503 and "failed" once the store can no longer write (it is stopping)."""
         broker = self.broker
         store = broker.store
         if broker.failed is not None:
@@ -912,10 +913,7 @@ class Listener:
             status, code = "disk_low", http.HTTPStatus.OK
         else:
             status, code = "ok", http.HTTPStatus.OK
-        response = connection.respond(code, json.dumps({"status": status}) + "\n")
-        del response.headers["Content-Type"]
-        response.headers["Content-Type"] = "application/json"
-        return response
+        return code, json.dumps({"status": status}) + "\n"
 
     async def _metrics_login(self, user, password):
         """A metrics listener's `users` check: a listed user whose password the password

@@ -42,7 +42,6 @@ import ssl
 import time
 import uuid
 
-from ..store.state import META_SET
 from . import ClusterError, etcd_client
 from . import frames as F
 from .handover import build_session, session_state
@@ -143,15 +142,17 @@ class _InLink(asyncio.Protocol):
     def connection_made(self, transport):
         self.transport = transport
         cluster = self.cluster
-        self.abandoned()
+        self._handshake_over()
         cluster.inlinks.add(self)
         self.timer = cluster.loop.call_later(_HELLO_TIMEOUT, self._silent)
 
-    def abandoned(self):
-        """Its TLS handshake is over (accept_tls calls this when it failed)."""
+    def _handshake_over(self):
+        """No longer counted in Cluster.handshakes (its TLS handshake is over, or there was none)."""
         if self.handshaking:
             self.handshaking = False
             self.cluster.handshakes -= 1
+
+    abandoned = _handshake_over  # (accept_tls: the handshake failed; no connection_made comes)
 
     def _silent(self):
         log.warning("cluster: closing a link from %s: no HELLO within %.0f s",
@@ -290,7 +291,6 @@ class Cluster:
         # still knows where to resume each sender's log from.
         self.applied = self._load_marks()
         self._marks_dirty = False
-        self._marks_op = None  # (epoch, index in its ops) of the marks written with a QoS 2 delivery
         self._saver = None
         self.replayed = 0  # records sent again from the log (link up, or drained)
         self.duplicates = 0  # FORWARDs dropped here: their offset was taken before
@@ -951,7 +951,7 @@ class Cluster:
         records of this epoch (so never ahead of what it stored of those messages)."""
         if self._marks_dirty:
             self._marks_dirty = False
-            self.persist.store.op(META_SET, (_MARKS_KEY, json.dumps(self.applied)), durable=False)
+            self.persist.store.set_meta(_MARKS_KEY, json.dumps(self.applied))
 
     async def _save_marks_every(self, period):
         while True:
@@ -1138,25 +1138,11 @@ class Cluster:
         router.receive_forwarded(msg, flags & F.TO_SUBSCRIBERS, flags & F.SET_RETAINED, flags & F.SYNC,
                                  frozenset(groups) if groups else (), flags & F.REPLAYED)
         msg.packet = None
-        if pkt.qos == 2 and off >= 0 and self.persist is not None and self.persist.store._epoch.durable:
-            self._marks_with_epoch()
-
-    def _marks_with_epoch(self):
-        """A QoS 2 message went to a persistent session here: its delivery state is in the
-        store's current epoch, and so are the marks that say it was taken (one META_SET per
-        epoch, brought up to date by each such message). A crash then loses both or
-        neither: a restart never takes it again from its sender's log, which would give
-        the session a second copy."""
-        self._marks_dirty = False
-        store = self.persist.store
-        epoch = store._epoch
-        op = (META_SET, (_MARKS_KEY, json.dumps(self.applied)))
-        at = self._marks_op
-        if at is not None and at[0] is epoch:
-            epoch.ops[at[1]] = op  # (not sealed yet: the writer has not seen it)
-        else:
-            store.op(*op, durable=False)
-            self._marks_op = (epoch, len(epoch.ops) - 1)
+        if pkt.qos == 2 and off >= 0 and self.persist is not None and self.persist.store.must_hold:
+            # It went to a persistent session here: its delivery state is in this epoch,
+            # and so are the marks that say it was taken. A crash loses both or neither,
+            # so a restart never takes it again from its sender's log (a second copy).
+            self._save_marks()
 
     # --- sessions that change node ----------------------------------------------------
 

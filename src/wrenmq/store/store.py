@@ -178,6 +178,7 @@ class Store(EpochAppender):
         # Epochs whose messages may not be on disk yet, for in-process reads.
         self._tail = collections.deque()
         self._client_bytes = {}
+        self._meta_at = {}  # key -> (epoch, index in its ops) of its last set_meta
         self.written_through = self.next_offset
         self._queue = queue.SimpleQueue()
         self._urgent = _Signal()  # set when something the loop waits on is queued
@@ -300,6 +301,18 @@ class Store(EpochAppender):
         if durable:
             self._urgent.set()
         return eid
+
+    def set_meta(self, key, value):
+        """META_SET `key` with this epoch's records and state changes, not durable by itself;
+        called again before the epoch is sealed, it replaces the value (the writer writes
+        the last one only)."""
+        e = self._epoch
+        at = self._meta_at.get(key)
+        if at is not None and at[0] is e:
+            e.ops[at[1]] = (META_SET, (key, value))  # (not sealed: the writer has not seen it)
+        else:
+            self.op(META_SET, (key, value), False)
+            self._meta_at[key] = (e, len(e.ops) - 1)
 
     @property
     def last_sealed(self):

@@ -1039,6 +1039,61 @@ def test_a_shared_group_skips_a_node_whose_link_is_behind(cluster):
     assert sorted(got) == sorted(b"%d" % i for i in range(10))
 
 
+def test_a_shared_groups_messages_in_flight_reach_their_node_after_it_restarts(cluster):
+    # The group's only member is a persistent session on node b. Node a sends it the
+    # group's messages while b is stopped, and b is killed before it reads them.
+    # Restarted, b resumes from where it got to, and a replays them with their group:
+    # the member's session gets each one.
+    cl = cluster()
+    cl.start("a", storage=disk(cl, "a"))
+    b = cl.start("b", storage=disk(cl, "b"))
+    cid, props = uid("m"), {"SessionExpiryInterval": 300}
+    member = cl.client("b", client_id=cid, clean=False, properties=props)
+    sub(member, "$share/g/sg/#", 1)
+    pub = cl.client("a")
+    await_route(pub, member, "sg/probe")
+    sent = [b"%d" % i for i in range(20)]
+    b.proc.send_signal(signal.SIGSTOP)
+    try:
+        publish_all(pub, "sg/x", sent)  # acknowledged: in node a's log
+    finally:
+        b.kill()
+    member.loop_stop()
+    b.start()
+    again = paho_client(b.port, client_id=cid, clean=False, properties=props)
+    cl.clients.append(again)
+    assert again.connack[1].session_present is True
+    got = collect(again, len(sent))
+    assert sorted(set(got), key=int) == sent
+
+
+def test_a_shared_groups_messages_for_a_node_behind_wait_in_the_log(cluster):
+    # Node a's link to b falls behind while the group's only member is on b: the group's
+    # messages for b wait in a's log and reach b by replay once it drains, all of them,
+    # not link_buffer's worth kept in memory.
+    cl = cluster(link_buffer=65536, lease_ttl=30)
+    cl.start("a", storage=disk(cl, "a"))
+    b = cl.start("b")
+    member = cl.client("b")
+    sub(member, "$share/g/sg/#", 1)
+    filler = cl.client("b")
+    sub(filler, "fill/#", 1)
+    pub = cl.client("a")
+    await_route(pub, filler, "fill/probe")
+    await_route(pub, member, "sg/probe")
+    sent = numbered(200, 4096)  # 800 KB for the group: more than link_buffer
+    b.proc.send_signal(signal.SIGSTOP)
+    try:
+        publish_all(pub, "fill/x", numbered(6000, 4096))
+        assert int(sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/links/fell_behind")) >= 1
+        publish_all(pub, "sg/x", sent)
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    got = collect(member, len(sent), timeout=45)
+    assert len(got) == len(sent) and got == sent
+    assert int(sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/messages/dropped") or 0) == 0
+
+
 def test_both_nodes_restarted_still_resume_where_the_receiver_got_to(cluster):
     # Node b keeps how far it got in node a's log on disk. With both killed (b first,
     # then a after acknowledging messages b never got) and restarted, neither remembers
@@ -1264,6 +1319,20 @@ def test_hello_resume_round_trip_and_bad_frames():
             F.decode_forward(good[5:cut])
     with pytest.raises(F.FrameError):  # not a PUBLISH inside
         F.decode_forward(good[5:5 + 22] + b"\xc0\x00")  # (header 19, client id 1, group count 2)
+
+
+def test_groups_sent_remembers_the_last_choices_by_offset(monkeypatch):
+    from wrenmq.cluster import node as N
+    monkeypatch.setattr(N, "_GROUPS_KEPT", 3)
+    sent = N.GroupsSent()
+    g, h = ("g", "s/#"), ("h", "s/+")
+    assert sent.add(10, [g]) == -1 and sent.add(11, [g, h]) == -1 and sent.add(12, [g]) == -1
+    assert sent.get(10) == (g,) and sent.get(11) == (g, h) and sent.get(9) == ()
+    assert sent.get(10) is sent.get(12)  # one tuple for the same groups
+    assert sent.add(13, [h]) == 10  # full: the oldest is forgotten, and said
+    assert sent.get(10) == () and sent.get(13) == (h,)
+    sent.forget_before(13)  # the node has everything before 13
+    assert sent.get(11) == sent.get(12) == () and sent.get(13) == (h,) and list(sent.order) == [13]
 
 
 def test_interest_counts_and_matches():

@@ -106,7 +106,8 @@ METRICS = (
     ("$SYS/broker/cluster/messages/duplicates", "wrenmq_cluster_duplicate_messages_total", "counter",
      "Messages from another node dropped here because they had arrived before."),
     ("$SYS/broker/cluster/messages/replay_lost", "wrenmq_cluster_replay_lost_total", "counter",
-     "Records another node needed replayed that [log] retention had deleted first."),
+     "Records another node needed replayed that [log] retention had deleted first, or whose shared "
+     "group choice was forgotten (more than 100,000 owed to a node that is down)."),
     ("$SYS/broker/cluster/links/refused", "wrenmq_cluster_links_refused_total", "counter",
      "Sockets on the link port closed at once: 256 links open or in their TLS handshake."),
     ("$SYS/broker/cluster/links/fell_behind", "wrenmq_cluster_links_fell_behind_total", "counter",

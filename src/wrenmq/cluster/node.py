@@ -28,12 +28,14 @@ the receiver remembers the last offset it took from each sender's log (in its
 state database too, with disk storage) and drops any it has had. When a link
 comes up (after a failure, a restart of either side, or a `kill -9` of the
 sender), the receiver says in RESUME how far it got, and the sender replays from
-its log what matches the receiver's filters from there before it goes live. A
-link that falls behind by [cluster] link_buffer does the same once it drains,
-instead of dropping: the log, not memory, holds the backlog.
+its log what matches the receiver's filters from there before it goes live, and
+the shared groups' messages it had chosen that node for (GroupsSent). A link that
+falls behind by [cluster] link_buffer does the same once it drains, instead of
+dropping: the log, not memory, holds the backlog.
 """
 
 import asyncio
+import collections
 import itertools
 import json
 import logging
@@ -60,6 +62,7 @@ _HANDOVER_TIMEOUT = 2.0  # seconds a CONNECT waits for another node to hand its 
 _ROUTE_TIMEOUT = 1.0  # seconds a SUBACK waits for the other nodes to confirm its new filter
 _MARKS_EVERY = 1.0  # seconds between writes of how far this node got in each sender's log
 _MARKS_KEY = "cluster_applied"  # ... in the state database's meta table
+_GROUPS_KEPT = 100_000  # shared-group choices remembered per node, for its replays (GroupsSent)
 
 
 class Peer:
@@ -89,6 +92,52 @@ class Peer:
         self.replayed = 0
         self.catch_up = None  # the task replaying to a link that fell behind
         self.route_sent = 0  # the last ROUTE seq written to its link
+
+
+class GroupsSent:
+    """The shared groups that logged messages sent to one node were chosen for there,
+    by offset, for the last _GROUPS_KEPT of them.
+
+    A replay to that node (its link failed or fell behind, or it restarted) reads the
+    log, which does not say which node a group's member was picked on: this does, so
+    the node gets its groups' messages again as it gets its subscribers'. Kept per node
+    name, across the node leaving and coming back; lost with this node's process.
+    """
+
+    __slots__ = ("groups", "order", "_same")
+
+    def __init__(self):
+        self.groups = {}  # offset -> tuple of (share name, filter)
+        self.order = collections.deque()  # the offsets in `groups`, oldest first
+        self._same = {}  # one tuple per distinct set of groups, shared by its offsets
+
+    def add(self, off, groups):
+        """Remember `groups` for offset `off`; return the offset it forgot for room, or -1."""
+        key = tuple(groups)
+        same = self._same
+        kept = same.get(key)
+        if kept is None:
+            if len(same) >= 1024:
+                same.clear()
+            kept = same[key] = key
+        self.groups[off] = kept
+        order = self.order
+        order.append(off)
+        if len(order) > _GROUPS_KEPT:
+            old = order.popleft()
+            self.groups.pop(old, None)
+            return old
+        return -1
+
+    def get(self, off):
+        return self.groups.get(off, ())
+
+    def forget_before(self, off):
+        """The node has everything before `off` (its RESUME said so)."""
+        order = self.order
+        groups = self.groups
+        while order and order[0] < off:
+            groups.pop(order.popleft(), None)
 
 
 class _OutLink(asyncio.Protocol):
@@ -294,7 +343,8 @@ class Cluster:
         self._saver = None
         self.replayed = 0  # records sent again from the log (link up, or drained)
         self.duplicates = 0  # FORWARDs dropped here: their offset was taken before
-        self.replay_lost = 0  # records a replay needed that retention had deleted
+        self.replay_lost = 0  # records a replay needed that retention had deleted, or whose group it forgot
+        self.groups_sent = {}  # node name -> GroupsSent
         self.fell_behind = 0  # times a live link was full past link_buffer and went to replay
         # ROUTE frames: a new subscription's SUBACK waits until the nodes linked to this
         # one have it (a message published there after the SUBACK reaches it).
@@ -879,6 +929,9 @@ class Cluster:
         cursor = start
         half = self.link_buffer // 2
         first = True
+        sent = self.groups_sent.get(peer.name)
+        if sent is not None:
+            sent.forget_before(start)
         while True:
             if t.is_closing() or peer.link is not link:
                 return False
@@ -909,7 +962,7 @@ class Cluster:
             frames = []
             for rec in recs:
                 cursor = rec.offset + 1
-                frame = self._replay_frame(peer.name, rec, now)
+                frame = self._replay_frame(peer.name, rec, now, sent)
                 if frame is not None:
                     frames.append(frame)
             if frames:
@@ -919,21 +972,22 @@ class Cluster:
             peer.resume_from = cursor
             await asyncio.sleep(0)
 
-    def _replay_frame(self, name, rec, now):
+    def _replay_frame(self, name, rec, now, sent=None):
         """The FORWARD of one log record for node `name`, if it is for it (its filters as
-        they are now; a retained message for every node), else None. A shared group's
-        message is not replayed: the choice of member was made when it was published."""
+        they are now; a retained message for every node; the shared groups `sent` says
+        were chosen there when it was published), else None."""
         if rec.private:
             return None
         nodes, _ = self.remote.match(rec.topic)
         to_subs = name in nodes
-        if not to_subs and not rec.retain:
+        groups = sent.get(rec.offset) if sent is not None else ()
+        if not to_subs and not rec.retain and not groups:
             return None
         msg = self.persist.message_from_record(rec)
         if msg.expired(now):
             return None
         flags = F.REPLAYED | (F.TO_SUBSCRIBERS if to_subs else 0) | (F.SET_RETAINED if rec.retain else 0)
-        return F.encode_forward(F.publish_bytes(msg, now), flags, msg.client_id, msg.timestamp, (), rec.offset)
+        return F.encode_forward(F.publish_bytes(msg, now), flags, msg.client_id, msg.timestamp, groups, rec.offset)
 
     def _load_marks(self):
         if self.persist is None:
@@ -1004,9 +1058,10 @@ class Cluster:
             seen = set()
             me = self.node
             # One node per group: among those with a connected member and a live link,
-            # round robin (a group's message is not replayed: a node whose link is down
-            # or behind gets none while another can take it); if none has one, among
-            # all that have members (the message waits in a queue).
+            # round robin (a node whose link is down or behind would get it only by a
+            # later replay, so it gets none while another can take it now); if none has
+            # one, among all that have members (the message waits in a queue, or in the
+            # log for that node's replay).
             peers = self.peers
             live_of = lambda online: tuple(n for n in online if n in peers and peers[n].up)  # noqa: E731
             for g in local_groups:
@@ -1050,6 +1105,8 @@ class Cluster:
             if to_subs or groups:
                 delivered = True
             if off >= 0:  # in the log: a link that cannot take it now gets it by replay
+                if groups:  # (and the groups chosen there with it)
+                    self._groups_chosen(peer, off, groups)
                 if peer.up:
                     frame = F.encode_forward(body, flags, msg.client_id, msg.timestamp, groups, off)
                     if self._room(peer):
@@ -1058,11 +1115,22 @@ class Cluster:
                         self.forwarded += 1
                         continue
                     self._fall_behind(peer, off)
-                if not groups:
-                    continue
-                flags = 0  # the shared groups' part is not replayed: it goes as any unlogged message
+                continue
             self._send(peer, F.encode_forward(body, flags, msg.client_id, msg.timestamp, groups))
         return delivered
+
+    def _groups_chosen(self, peer, off, groups):
+        """Remember that the logged message `off` went to `peer` for `groups`; count a choice
+        forgotten for room while the peer's link was not live (its replay cannot give it)."""
+        sent = self.groups_sent.get(peer.name)
+        if sent is None:
+            sent = self.groups_sent[peer.name] = GroupsSent()
+        if sent.add(off, groups) >= 0 and not peer.up:
+            self.replay_lost += 1
+            if self.replay_lost & (self.replay_lost - 1) == 0:
+                log.warning("cluster: node %s is down with more than %d shared-group messages owed to it; "
+                            "the oldest are forgotten (%d record(s) replays could not give so far)",
+                            peer.name, _GROUPS_KEPT, self.replay_lost)
 
     def _room(self, peer):
         """The peer's live link holds less than [cluster] link_buffer."""
@@ -1125,11 +1193,17 @@ class Cluster:
     def _received(self, body, decoder, mark):
         flags, cid, ts, groups, pkt, off = F.decode_forward(body, decoder)
         if off >= 0:
-            if off <= mark[1]:
+            last = mark[1]
+            if off <= last:
                 self.duplicates += 1
                 return
             mark[1] = off
             self._marks_dirty = True
+            if last < 0 and self.persist is not None:
+                # The first message from this log: write the mark now, not within the
+                # second. A restart that finds none lets the sender start from where it
+                # last saw the link up, past what was still on its way here.
+                self._save_marks()
         router = self.router
         msg = F.message_from(pkt, cid, ts, router.clock())
         self.received += 1

@@ -11,7 +11,7 @@ import time
 from mqtt_helpers import raw_connect, raw_next, rc_int, scrape, wait_for
 from conftest import subscribe, get_messages
 from wrenmq.mqtt import constants as C
-from wrenmq.mqtt.packets import Publish
+from wrenmq.mqtt.packets import Publish, Will
 from wrenmq.store.log import LogReader
 
 PAYLOAD = bytes(4096)
@@ -49,9 +49,9 @@ def _low_disk_broker(make_broker, tmp_path, margin, extra=""):
     return b, data
 
 
-def _logged(data):
+def _logged(data, private=False):
     (part,) = (data / "log").iterdir()
-    return [(rec.topic, rec.payload[:4]) for rec in LogReader(part).records()]
+    return [(rec.topic, rec.payload[:4]) for rec in LogReader(part).records(private=private)]
 
 
 def test_low_disk_refuses_qos12_records_nothing_and_takes_messages_again_once_freed(
@@ -112,7 +112,7 @@ def test_low_disk_refuses_qos12_records_nothing_and_takes_messages_again_once_fr
     assert [int.from_bytes(p, "big") for _, p in logged] == acked + [10**6]
 
 
-def test_broker_started_on_a_low_disk_refuses_from_the_first_publish(make_broker, clients, tmp_path):
+def test_broker_started_on_a_low_disk_refuses_from_the_first_publish(make_broker, clients, raw_client, tmp_path):
     b, data = _low_disk_broker(make_broker, tmp_path, -(64 << 20),  # already 64 MiB under the line
                                '[[listener]]\ntype = "metrics"\nport = 0\n')
     assert b.call(lambda: b.broker.router.disk_low)
@@ -131,5 +131,18 @@ def test_broker_started_on_a_low_disk_refuses_from_the_first_publish(make_broker
     r3 = subprocess.run(cmd + ["-V", "mqttv311"], capture_output=True, text=True, timeout=30)
     assert r3.returncode != 0 and "connection was lost" in r3.stderr.lower(), (r3.returncode, r3.stderr)
     assert get_messages(sub3, 1, timeout=0.5) == []
+    # A persistent session is still owed what the broker publishes itself, here a QoS 1
+    # will: from memory, nothing written to the log while the disk is low.
+    dev = clients(b.port, version=5, client_id="dev", clean=False, properties={"SessionExpiryInterval": 300})
+    subscribe(dev, "w/#", 1)
+    dev.disconnect()
+    dev.loop_stop()
+    doomed, _ = raw_connect(raw_client, b.port, C.MQTT5, will=Will("w/gone", b"bye", qos=1))
+    end = b.call(lambda: b.broker.store.next_offset)
+    doomed.close()  # no DISCONNECT: the will goes
+    assert wait_for(lambda: b.call(lambda: len(b.broker.router.sessions["dev"].queue)) == 1, timeout=5)
+    assert b.call(lambda: b.broker.store.next_offset) == end
+    back = clients(b.port, version=5, client_id="dev", clean=False, properties={"SessionExpiryInterval": 300})
+    assert [m.payload for m in get_messages(back, 1)] == [b"bye"]
     b.stop()
-    assert _logged(data) == []
+    assert _logged(data, private=True) == []

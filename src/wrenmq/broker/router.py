@@ -1105,9 +1105,11 @@ class Router:
             self.stats.pub_sent += 1
             return
         if session.stored:
-            if msg.offset < 0 and self.persist is not None:
+            if msg.offset < 0 and self.persist is not None and not self.disk_low:
                 # Not recorded for readers, but this persistent session is owed it: the
-                # log is where owed messages survive a restart.
+                # log is where owed messages survive a restart. While the disk is low
+                # (what other nodes forward, wills) it is owed from memory only: a
+                # write the disk cannot take would stop the broker.
                 self.persist.store.append(msg, 0, private=True)
         out = Outgoing(msg, qos, retain, sub_ids, group, tracked)
         if session.stored:

@@ -842,6 +842,36 @@ def test_a_new_subscription_gets_what_other_nodes_publish_right_after_its_suback
         assert got == [b"%d" % i]
 
 
+def test_a_filter_subscribed_and_dropped_at_once_leaves_no_route_on_other_nodes(cluster):
+    # SUBSCRIBE and UNSUBSCRIBE in one write, for 50 filters: node b learns each filter
+    # over the link at once, and etcd never sees it. b must forget each one as well, or
+    # it forwards their messages to node a for nothing, and a client could fill b's
+    # routing table that way.
+    from conftest import RawClient
+    from wrenmq.mqtt.packets import Connect, Subscribe, SubscribeTopic, Unsubscribe
+
+    cl = cluster()
+    a = cl.start("a")
+    cl.start("b")
+    links_up(cl, "a", "b")
+    raw = RawClient(a.port, C.MQTT5)
+    raw.send(Connect(uid("churn"), version=C.MQTT5))
+    assert raw.recv().TYPE == C.CONNACK
+    for i in range(50):
+        raw.send(encode(Subscribe(2 * i + 1, [SubscribeTopic(f"ch/{i}", 1)]), C.MQTT5) +
+                 encode(Unsubscribe(2 * i + 2, [f"ch/{i}"]), C.MQTT5))
+    kinds = [raw.recv().TYPE for _ in range(100)]
+    assert kinds.count(C.SUBACK) == 50 and kinds.count(C.UNSUBACK) == 50
+    time.sleep(1.0)  # etcd's events, if any, have reached b
+    forwarded = lambda: int(sys_value(lambda: cl.client("b"), "$SYS/broker/cluster/messages/forwarded"))  # noqa: E731
+    before = forwarded()
+    pub = cl.client("b")
+    for i in range(50):
+        publish(pub, f"ch/{i}", b"x", 1)
+    assert forwarded() == before
+    raw.sock.close()
+
+
 def test_a_suback_waits_for_the_other_nodes_route_ack(cluster, etcd):
     # A node played by the test over a socket: node b links to it, sends it the new
     # filter (ROUTE), and holds the SUBACK until the test acknowledges it.
@@ -879,8 +909,8 @@ def test_a_suback_waits_for_the_other_nodes_route_ack(cluster, etcd):
     s = cl.client("b")
     assert wait_for(lambda: b.log.count("link to node x") > 0, timeout=10)
     s.subscribe("ra/#", 1)
-    seq, group, flt, online = routes.get(timeout=5)
-    assert (group, flt) == (None, "ra/#")
+    seq, group, flt, online, removed = routes.get(timeout=5)
+    assert (group, flt, removed) == (None, "ra/#", False)
     time.sleep(0.5)
     assert s.acks.empty()  # no SUBACK before node x has the filter
     conn.sendall(F.encode_route_ack(seq))
@@ -1300,9 +1330,10 @@ def test_hello_resume_round_trip_and_bad_frames():
         assert kind == F.RESUME and F.decode_resume(body) == offset
     with pytest.raises(F.FrameError):
         F.decode_resume(b'{"offset": "x"}')
-    for group, flt, online in ((None, "a/+/#", True), ("g", "s/#", False)):
-        kind, body = F.FrameReader(1024).feed(F.encode_route(9, group, flt, online))[0]
-        assert kind == F.ROUTE and F.decode_route(body) == (9, group, flt, online)
+    for group, flt, online, removed in ((None, "a/+/#", True, False), ("g", "s/#", False, False),
+                                        (None, "a/+/#", False, True)):
+        kind, body = F.FrameReader(1024).feed(F.encode_route(9, group, flt, online, removed))[0]
+        assert kind == F.ROUTE and F.decode_route(body) == (9, group, flt, online, removed)
     kind, body = F.FrameReader(1024).feed(F.encode_route_ack(9))[0]
     assert kind == F.ROUTE_ACK and F.decode_route_ack(body) == 9
     with pytest.raises(F.FrameError):

@@ -9,7 +9,8 @@ header (its offset in the sender's log or -1, what the receiver does with it, th
 publisher's client id and arrival time, the shared groups it is for) followed by
 the message as an MQTT 5 PUBLISH, so properties, QoS, retain and the remaining
 expiry use the codec every client connection already uses. ROUTE tells the
-receiver of a filter new on the sender, which answers ROUTE_ACK once it has it.
+receiver of a filter new on the sender, which answers ROUTE_ACK once it has it
+(and of one the sender no longer has, or whose group's last connected member left).
 """
 
 import json
@@ -25,7 +26,8 @@ SESSION_ASK = 3  # "hand me client X's session": JSON {"id", "cid"}
 SESSION = 4  # the answer: JSON state, then the messages it owes as PUBLISHes
 RESUME = 5  # answer to HELLO: JSON {"offset"}: the last offset of the sender's log received here,
 # -1 (none known: the sender decides) or -2 (nothing from before the sender last learned of this node)
-ROUTE = 6  # a filter the sender's clients now subscribe to, ahead of etcd: JSON {"seq", "group", "filter", "online"}
+ROUTE = 6  # a filter the sender's clients now subscribe to (or no longer), ahead of etcd:
+#           JSON {"seq", "group", "filter", "online"[, "removed": true]}
 ROUTE_ACK = 7  # the receiver applied the sender's ROUTEs up to JSON {"seq"}
 
 # FORWARD flags: what the receiving node does with the message.
@@ -97,14 +99,18 @@ def decode_resume(body):
     return _json_fields(body, "RESUME", lambda r: int(r["offset"]))
 
 
-def encode_route(seq, group, flt, online):
-    return _json_frame(ROUTE, {"seq": seq, "group": group, "filter": flt, "online": bool(online)})
+def encode_route(seq, group, flt, online, removed=False):
+    route = {"seq": seq, "group": group, "filter": flt, "online": bool(online)}
+    if removed:
+        route["removed"] = True
+    return _json_frame(ROUTE, route)
 
 
 def decode_route(body):
-    """(seq, group or None, filter, online) of a ROUTE body."""
+    """(seq, group or None, filter, online, removed) of a ROUTE body."""
     return _json_fields(body, "ROUTE", lambda r: (
-        int(r["seq"]), None if r["group"] is None else str(r["group"]), str(r["filter"]), bool(r["online"])))
+        int(r["seq"]), None if r["group"] is None else str(r["group"]), str(r["filter"]), bool(r["online"]),
+        r.get("removed") is True))
 
 
 def encode_route_ack(seq):

@@ -219,8 +219,11 @@ class _InLink(asyncio.Protocol):
                 elif kind == F.SESSION and self.peer is not None:
                     cluster._session_answered(body)
                 elif kind == F.ROUTE and self.peer is not None:
-                    seq, group, flt, online = F.decode_route(body)
-                    cluster.remote.add(self.peer, group, flt, online)
+                    seq, group, flt, online, removed = F.decode_route(body)
+                    if removed:
+                        cluster.remote.remove(self.peer, group, flt)
+                    else:
+                        cluster.remote.add(self.peer, group, flt, online)
                     self.transport.write(F.encode_route_ack(seq))
                 elif kind == F.HELLO and self.peer is None:
                     self.peer, self.mark, resume = cluster._hello(body)
@@ -637,15 +640,20 @@ class Cluster:
             value = self.local.value(group, flt)
             self._pending[route_key(self.prefix, self.node, group, flt)] = value
             self._kick()
-            if flt[:4] == "$SYS":
-                return  # each node's own: never forwarded, nothing to wait for
-            # The other nodes learn it over the links now, and from etcd one round trip later.
-            self.route_seq += 1
-            frame = F.encode_route(self.route_seq, group, flt, value != b"0")
-            for peer in self.peers.values():
-                if self._linked(peer):
-                    self._send_control(peer, frame)
-                    peer.route_sent = self.route_seq
+            self._route_to_links(group, flt, value != b"0", False)
+
+    def _route_to_links(self, group, flt, online, removed):
+        """The other nodes learn a change of this node's filters over the links now, and
+        from etcd one round trip later. A filter added and removed before etcd is written
+        is never in etcd: without the removal here, the nodes linked would keep it."""
+        if flt[:4] == "$SYS":
+            return  # each node's own: never forwarded, nothing to wait for
+        self.route_seq += 1
+        frame = F.encode_route(self.route_seq, group, flt, online, removed)
+        for peer in self.peers.values():
+            if self._linked(peer):
+                self._send_control(peer, frame)
+                peer.route_sent = self.route_seq
 
     def after_routes(self, since, callback):
         """Call `callback` once every linked node has applied this node's ROUTEs after seq
@@ -689,6 +697,7 @@ class Cluster:
             self._pending[route_key(self.prefix, self.node, group, flt)] = \
                 None if change == "delete" else self.local.value(group, flt)
             self._kick()
+            self._route_to_links(group, flt, False, change == "delete")
 
     def presence(self, session, online):
         """`session`'s client connected (True) or went (False): its shared groups' keys

@@ -5,6 +5,12 @@ Each node publishes in etcd one key per topic filter its sessions subscribe to
 the other nodes' keys in a trie. A PUBLISH goes to each other node once, only
 if a filter there matches. Shared groups are kept per (share name, filter) with
 the nodes that have members, so one node is chosen per message, cluster-wide.
+
+A node tells its changes twice: over its links at once (ROUTE frames, in order) and
+through etcd a round trip later. Each change has a number (`seq`, growing on the
+node, in the etcd value as `<flag>@<seq>`), so what etcd says late does not undo
+what a link said since: a filter subscribed again right after its unsubscribe is
+not dropped by the etcd delete of the first one arriving after the link's news.
 """
 
 from ..broker.topics import TopicTrie
@@ -19,6 +25,21 @@ def route_key(prefix, node, group, flt):
     if group is None:
         return f"{prefix}{ROUTES}{node}/n/{flt}".encode()
     return f"{prefix}{ROUTES}{node}/s/{group}/{flt}".encode()
+
+
+def route_value(flag, seq):
+    """etcd value of a route key: the group flag (`LocalInterest.value`) and the change's number."""
+    return b"%s@%d" % (flag, seq)
+
+
+def parse_route_value(value):
+    """(a member connected, change number) of a route key's value; number 0 if it has none."""
+    flag, at, seq = value.partition(b"@")
+    try:
+        n = int(seq) if at else 0
+    except ValueError:
+        n = 0
+    return flag != b"0", n
 
 
 def parse_route_key(rest):
@@ -90,15 +111,66 @@ class LocalInterest:
 
 
 class RemoteInterest:
-    """The other nodes' filters, matched per topic (cached until they change)."""
+    """The other nodes' filters, matched per topic (cached until they change).
 
-    __slots__ = ("_normal", "_shared", "_cache", "by_node")
+    Changes come from the links (`linked`) and from etcd (`put`, `deleted`); `add` and
+    `remove` apply one without asking where it came from."""
+
+    __slots__ = ("_normal", "_shared", "_cache", "by_node", "_told")
+
+    TOLD_MAX = 10_000  # link changes kept until etcd has them; past it, the removals are let go
 
     def __init__(self):
         self._normal = TopicTrie()  # filter -> {node: True}
         self._shared = TopicTrie()  # filter -> {(share name, node): (filter, has a connected member)}
         self._cache = {}
         self.by_node = {}  # node -> set of (group, filter), to drop a node at once
+        # (node, group, filter) -> (seq, present, online): the last change a link told
+        # that etcd has not yet said (or said something older than).
+        self._told = {}
+
+    def linked(self, node, group, flt, online, removed, seq):
+        """A ROUTE from `node`'s link: its change number `seq`, ahead of etcd."""
+        told = self._told
+        if len(told) >= self.TOLD_MAX:
+            # Removals etcd never says (a filter added and removed before the node wrote
+            # etcd): forgetting one lets a late etcd put add its filter back until the
+            # delete follows, which costs forwarding, never a message.
+            for key in [k for k, v in told.items() if not v[1]]:
+                del told[key]
+        told[(node, group, flt)] = (seq, not removed, online)
+        if removed:
+            self.remove(node, group, flt)
+        else:
+            self.add(node, group, flt, online)
+
+    def put(self, node, group, flt, online, seq):
+        """etcd: `node` has the filter, as of its change `seq`."""
+        key = (node, group, flt)
+        told = self._told.get(key)
+        if told is not None:
+            if told[0] > seq:
+                return  # a link said something newer
+            del self._told[key]
+        self.add(node, group, flt, online)
+
+    def deleted(self, node, group, flt, seq):
+        """etcd: `node`'s key is gone; `seq`: the change number of the value deleted (-1 if
+        unknown). A link that said more recently that the filter is there wins (etcd's
+        put of it follows)."""
+        key = (node, group, flt)
+        told = self._told.get(key)
+        if told is not None:
+            if told[0] > seq and told[1]:
+                return
+            del self._told[key]
+        self.remove(node, group, flt)
+
+    def restore_told(self):
+        """After `clear` and a reread of etcd: what the links said since etcd was read."""
+        for (node, group, flt), (seq, present, online) in list(self._told.items()):
+            if present:
+                self.add(node, group, flt, online)
 
     def add(self, node, group, flt, online=True):
         """Node `node` subscribes to `flt` (group: share name or None); for a group,
@@ -126,14 +198,18 @@ class RemoteInterest:
             self._shared.remove(flt, (group, node))
         self._cache.clear()
 
-    def drop_node(self, node):
+    def drop_node(self, node, forget_told=True):
         for group, flt in list(self.by_node.get(node, ())):
             self.remove(node, group, flt)
         self.by_node.pop(node, None)
+        if forget_told and self._told:
+            for key in [k for k in self._told if k[0] == node]:
+                del self._told[key]
 
     def clear(self):
+        """Every node's filters gone, but not what the links said (`restore_told`)."""
         for node in list(self.by_node):
-            self.drop_node(node)
+            self.drop_node(node, forget_told=False)
 
     def match(self, topic):
         """(nodes with a matching filter, {(share name, filter): (nodes with a connected

@@ -7,9 +7,9 @@ In etcd, under `/wrenmq/<cluster name>/`, every key of a node hangs on that node
 lease, so a node that dies leaves the cluster when its lease runs out:
 
     nodes/<node>                     {"link": "host:port"}: where its link listens
-    routes/<node>/n/<filter>         it has subscribers to <filter>
+    routes/<node>/n/<filter>         it has subscribers to <filter> (value @<change number>)
     routes/<node>/s/<share>/<filter> it has members of $share/<share>/<filter>
-                                     (value 1 while one of them is connected, else 0)
+                                     (value 1@<n> while one of them is connected, else 0@<n>)
     clients/<client id>              <node>: the client's last connection is there
 
 Every node watches the prefix. A PUBLISH accepted on one node is written to each
@@ -47,7 +47,8 @@ import uuid
 from . import ClusterError, etcd_client
 from . import frames as F
 from .handover import build_session, session_state
-from .interest import CLIENTS, NODES, ROUTES, LocalInterest, RemoteInterest, SharedPicker, parse_route_key, route_key
+from .interest import (CLIENTS, NODES, ROUTES, LocalInterest, RemoteInterest, SharedPicker, parse_route_key,
+                       parse_route_value, route_key, route_value)
 
 log = logging.getLogger("wrenmq.cluster")
 
@@ -220,10 +221,7 @@ class _InLink(asyncio.Protocol):
                     cluster._session_answered(body)
                 elif kind == F.ROUTE and self.peer is not None:
                     seq, group, flt, online, removed = F.decode_route(body)
-                    if removed:
-                        cluster.remote.remove(self.peer, group, flt)
-                    else:
-                        cluster.remote.add(self.peer, group, flt, online)
+                    cluster.remote.linked(self.peer, group, flt, online, removed, seq)
                     self.transport.write(F.encode_route_ack(seq))
                 elif kind == F.HELLO and self.peer is None:
                     self.peer, self.mark, resume = cluster._hello(body)
@@ -485,10 +483,11 @@ class Cluster:
         self._pending_clients.clear()
         for cid, session in router.sessions.items():
             for sub in session.subscriptions.values():
-                if local.add(sub.group, sub.filter, session.conn is not None):
-                    self._pending[route_key(self.prefix, self.node, sub.group, sub.filter)] = \
-                        local.value(sub.group, sub.filter)
+                local.add(sub.group, sub.filter, session.conn is not None)
             self._register_client(cid)
+        seq = self._next_seq()
+        for group, flt in local.counts:
+            self._pending[route_key(self.prefix, self.node, group, flt)] = route_value(local.value(group, flt), seq)
         router.cluster = self
         await self._flush_pending()
         await self._resync()
@@ -503,6 +502,7 @@ class Cluster:
             name = self._apply(kv.key, kv.value, kv.mod_revision, True)
             if name:
                 seen.add(name)
+        self.remote.restore_told()
         for name in list(self.peers):
             if name not in seen:
                 self._drop_peer(name)
@@ -550,7 +550,7 @@ class Cluster:
                     log.warning("cluster: rejoining through etcd failed (%s: %s); retrying", type(e).__name__, e)
 
     async def _watch_and_keep_alive(self):
-        watch = await self.etcd.watch_prefix(self.prefix.encode(), start_revision=self.revision + 1)
+        watch = await self.etcd.watch_prefix(self.prefix.encode(), start_revision=self.revision + 1, prev_kv=True)
         keepalive = self.loop.create_task(self._keep_alive())
         try:
             events = watch.__aiter__()
@@ -564,7 +564,10 @@ class Cluster:
                 ev = nxt.result()
                 kv = ev.kv
                 self.revision = kv.mod_revision
-                self._apply(kv.key, kv.value if ev.kind == "PUT" else None, kv.mod_revision, False)
+                if ev.kind == "PUT":
+                    self._apply(kv.key, kv.value, kv.mod_revision, False)
+                else:
+                    self._apply(kv.key, None, kv.mod_revision, False, ev.prev_kv.value if ev.prev_kv else None)
         finally:
             keepalive.cancel()
             try:
@@ -583,9 +586,10 @@ class Cluster:
 
     # --- what etcd says ------------------------------------------------------------
 
-    def _apply(self, key, value, revision, initial):
-        """One key of the cluster prefix was put (`value`) or deleted (None).
-        Returns the node name when the key is a node's registration."""
+    def _apply(self, key, value, revision, initial, deleted_value=None):
+        """One key of the cluster prefix was put (`value`) or deleted (None; `deleted_value`:
+        what it held, if etcd said). Returns the node name when the key is a node's
+        registration."""
         rest = key.decode("utf-8", "replace")[len(self.prefix):]
         if rest.startswith(NODES):
             name = rest[len(NODES):]
@@ -610,9 +614,10 @@ class Cluster:
                 return None
             node, group, flt = parsed
             if value is None:
-                self.remote.remove(node, group, flt)
+                self.remote.deleted(node, group, flt,
+                                    parse_route_value(deleted_value)[1] if deleted_value is not None else -1)
             else:
-                self.remote.add(node, group, flt, value != b"0")
+                self.remote.put(node, group, flt, *parse_route_value(value))
             return None
         if rest.startswith(CLIENTS) and value is not None:
             cid = rest[len(CLIENTS):]
@@ -635,25 +640,32 @@ class Cluster:
 
     # --- what the router tells ----------------------------------------------------
 
+    def _next_seq(self):
+        """The number of this node's next change of its filters: growing, across restarts
+        too (microseconds of the wall clock, or one more than the last)."""
+        self.route_seq = max(self.route_seq + 1, time.time_ns() // 1000)
+        return self.route_seq
+
     def subscribed(self, group, flt, online=False):
         if self.local.add(group, flt, online):
-            value = self.local.value(group, flt)
-            self._pending[route_key(self.prefix, self.node, group, flt)] = value
+            flag = self.local.value(group, flt)
+            seq = self._next_seq()
+            self._pending[route_key(self.prefix, self.node, group, flt)] = route_value(flag, seq)
             self._kick()
-            self._route_to_links(group, flt, value != b"0", False)
+            self._route_to_links(group, flt, flag != b"0", False, seq)
 
-    def _route_to_links(self, group, flt, online, removed):
+    def _route_to_links(self, group, flt, online, removed, seq):
         """The other nodes learn a change of this node's filters over the links now, and
-        from etcd one round trip later. A filter added and removed before etcd is written
-        is never in etcd: without the removal here, the nodes linked would keep it."""
+        from etcd one round trip later (interest.py). A filter added and removed before
+        etcd is written is never in etcd: without the removal here, the nodes linked
+        would keep it."""
         if flt[:4] == "$SYS":
             return  # each node's own: never forwarded, nothing to wait for
-        self.route_seq += 1
-        frame = F.encode_route(self.route_seq, group, flt, online, removed)
+        frame = F.encode_route(seq, group, flt, online, removed)
         for peer in self.peers.values():
             if self._linked(peer):
                 self._send_control(peer, frame)
-                peer.route_sent = self.route_seq
+                peer.route_sent = seq
 
     def after_routes(self, since, callback):
         """Call `callback` once every linked node has applied this node's ROUTEs after seq
@@ -694,10 +706,11 @@ class Cluster:
     def unsubscribed(self, group, flt, online=False):
         change = self.local.remove(group, flt, online)
         if change is not None:
+            seq = self._next_seq()
             self._pending[route_key(self.prefix, self.node, group, flt)] = \
-                None if change == "delete" else self.local.value(group, flt)
+                None if change == "delete" else route_value(self.local.value(group, flt), seq)
             self._kick()
-            self._route_to_links(group, flt, False, change == "delete")
+            self._route_to_links(group, flt, False, change == "delete", seq)
 
     def presence(self, session, online):
         """`session`'s client connected (True) or went (False): its shared groups' keys
@@ -707,7 +720,7 @@ class Cluster:
         for sub in session.subscriptions.values():
             if sub.group is not None and local.connected(sub.group, sub.filter, delta):
                 self._pending[route_key(self.prefix, self.node, sub.group, sub.filter)] = \
-                    local.value(sub.group, sub.filter)
+                    route_value(local.value(sub.group, sub.filter), self._next_seq())
                 self._kick()
 
     def _register_client(self, cid):

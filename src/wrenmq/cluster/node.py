@@ -61,6 +61,7 @@ _HELLO_TIMEOUT = 5.0  # seconds a link may stay silent before its HELLO
 _MAX_INLINKS = 256  # links from other nodes open at once, TLS handshakes included (one per node is the norm)
 _HANDOVER_TIMEOUT = 2.0  # seconds a CONNECT waits for another node to hand its session over
 _ROUTE_TIMEOUT = 1.0  # seconds a SUBACK waits for the other nodes to confirm its new filter
+_REMOVAL_DELAY = 1.0  # seconds before a filter's removal goes to the links (Cluster.unsubscribed)
 _MARKS_EVERY = 1.0  # seconds between writes of how far this node got in each sender's log
 _MARKS_KEY = "cluster_applied"  # ... in the state database's meta table
 _GROUPS_KEPT = 100_000  # shared-group choices remembered per node, for its replays (GroupsSent)
@@ -355,6 +356,8 @@ class Cluster:
         # Node name -> Peer.resume_from of a node that left: if it comes back not knowing
         # where it got to (it restarted), what its subscribers missed since is replayed.
         self._left = {}
+        self._removals = collections.deque()  # (when, group, filter, seq) for the links, oldest first
+        self._removals_timer = None
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -415,6 +418,8 @@ class Cluster:
             self._save_marks()
         if self._flushing is not None:
             self._flushing.cancel()
+        if self._removals_timer is not None:
+            self._removals_timer.cancel()
         for peer in self.peers.values():
             self._close_peer(peer)
         for link in list(self.inlinks):
@@ -710,7 +715,29 @@ class Cluster:
             self._pending[route_key(self.prefix, self.node, group, flt)] = \
                 None if change == "delete" else route_value(self.local.value(group, flt), seq)
             self._kick()
-            self._route_to_links(group, flt, False, change == "delete", seq)
+            if change != "delete":
+                self._route_to_links(group, flt, False, False, seq)
+                return
+            # The removal goes to the links a second later, and only if the filter is still
+            # gone then: etcd tells the other nodes first, as it always has. A session
+            # that moves to another node drops its filters here while that node adds
+            # them: its ROUTEs must reach the others before this removal does, or what
+            # they publish in between goes nowhere. What the links still need is a filter
+            # added and removed before etcd was written, which etcd never tells.
+            self._removals.append((self.loop.time() + _REMOVAL_DELAY, group, flt, seq))
+            if self._removals_timer is None:
+                self._removals_timer = self.loop.call_later(_REMOVAL_DELAY, self._removals_due)
+
+    def _removals_due(self):
+        self._removals_timer = None
+        removals = self._removals
+        now = self.loop.time()
+        while removals and removals[0][0] <= now:
+            _, group, flt, seq = removals.popleft()
+            if (group, flt) not in self.local.counts:
+                self._route_to_links(group, flt, False, True, seq)
+        if removals:
+            self._removals_timer = self.loop.call_later(removals[0][0] - now, self._removals_due)
 
     def presence(self, session, online):
         """`session`'s client connected (True) or went (False): its shared groups' keys

@@ -1117,6 +1117,9 @@ def test_a_shared_groups_messages_in_flight_reach_their_node_after_it_restarts(c
     assert again.connack[1].session_present is True
     got = collect(again, len(sent))
     assert sorted(set(got), key=int) == sent
+    # Once b has saved how far it got, and said so (MARK), a keeps none of its choices.
+    kept = lambda: sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/messages/groups_kept")  # noqa: E731
+    assert wait_for(lambda: kept() == "0", timeout=10), kept()
 
 
 def test_a_shared_groups_messages_for_a_node_behind_wait_in_the_log(cluster):
@@ -1144,6 +1147,9 @@ def test_a_shared_groups_messages_for_a_node_behind_wait_in_the_log(cluster):
     got = collect(member, len(sent), timeout=45)
     assert len(got) == len(sent) and got == sent
     assert int(sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/messages/dropped") or 0) == 0
+    # b says once a second how far it got (MARK): a lets its choices up to there go.
+    kept = lambda: sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/messages/groups_kept")  # noqa: E731
+    assert wait_for(lambda: kept() == "0", timeout=10), kept()
 
 
 def test_both_nodes_restarted_still_resume_where_the_receiver_got_to(cluster):
@@ -1358,6 +1364,8 @@ def test_hello_resume_round_trip_and_bad_frames():
         assert kind == F.ROUTE and F.decode_route(body) == (9, group, flt, online, removed)
     kind, body = F.FrameReader(1024).feed(F.encode_route_ack(9))[0]
     assert kind == F.ROUTE_ACK and F.decode_route_ack(body) == 9
+    kind, body = F.FrameReader(1024).feed(F.encode_mark(41))[0]
+    assert kind == F.MARK and F.decode_mark(body) == 41
     with pytest.raises(F.FrameError):
         F.decode_route(b'{"seq": 1}')
     with pytest.raises(F.FrameError):
@@ -1481,7 +1489,7 @@ def test_link_frames_from_garbage_only_ever_raise_frame_error():
                                st.binary(min_size=1, max_size=8))))
     def check(data):
         decoders = (F.decode_forward, F.decode_hello, F.decode_resume, F.decode_route, F.decode_route_ack,
-                    F.decode_session_ask, F.decode_session)
+                    F.decode_mark, F.decode_session_ask, F.decode_session)
         try:
             frames = F.FrameReader(4096).feed(data)
         except F.FrameError:

@@ -108,6 +108,9 @@ METRICS = (
     ("$SYS/broker/cluster/messages/replay_lost", "wrenmq_cluster_replay_lost_total", "counter",
      "Records another node needed replayed that [log] retention had deleted first, or whose shared "
      "group choice was forgotten (more than 100,000 owed to a node that is down)."),
+    ("$SYS/broker/cluster/messages/groups_kept", "wrenmq_cluster_groups_kept", "gauge",
+     "Shared-group choices this node keeps for replays to other nodes: until each says it has the message "
+     "(once a second), at most 100,000 per node."),
     ("$SYS/broker/cluster/links/refused", "wrenmq_cluster_links_refused_total", "counter",
      "Sockets on the link port closed at once: 256 links open or in their TLS handshake."),
     ("$SYS/broker/cluster/links/fell_behind", "wrenmq_cluster_links_fell_behind_total", "counter",

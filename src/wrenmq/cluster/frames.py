@@ -29,6 +29,8 @@ RESUME = 5  # answer to HELLO: JSON {"offset"}: the last offset of the sender's 
 ROUTE = 6  # a filter the sender's clients now subscribe to (or no longer), ahead of etcd:
 #           JSON {"seq", "group", "filter", "online"[, "removed": true]}
 ROUTE_ACK = 7  # the receiver applied the sender's ROUTEs up to JSON {"seq"}
+MARK = 8  # the receiver has the sender's log up to JSON {"offset"} (with disk storage: saved), once a
+#          second: what the sender keeps for replays up to there may go (node.GroupsSent)
 
 # FORWARD flags: what the receiving node does with the message.
 TO_SUBSCRIBERS = 1  # deliver to its (non-shared) subscribers that match
@@ -97,6 +99,14 @@ def encode_resume(offset):
 
 def decode_resume(body):
     return _json_fields(body, "RESUME", lambda r: int(r["offset"]))
+
+
+def encode_mark(offset):
+    return _json_frame(MARK, {"offset": offset})
+
+
+def decode_mark(body):
+    return _json_fields(body, "MARK", lambda r: int(r["offset"]))
 
 
 def encode_route(seq, group, flt, online, removed=False):

@@ -98,7 +98,8 @@ class Peer:
 
 class GroupsSent:
     """The shared groups that logged messages sent to one node were chosen for there,
-    by offset, for the last _GROUPS_KEPT of them.
+    by offset: until the node says it has them (MARK, `forget_before`), at most the
+    last _GROUPS_KEPT.
 
     A replay to that node (its link failed or fell behind, or it restarted) reads the
     log, which does not say which node a group's member was picked on: this does, so
@@ -143,8 +144,8 @@ class GroupsSent:
 
 
 class _OutLink(asyncio.Protocol):
-    """This node's frames to one peer; the peer answers the HELLO with RESUME, and each
-    ROUTE with ROUTE_ACK."""
+    """This node's frames to one peer; the peer answers the HELLO with RESUME, each
+    ROUTE with ROUTE_ACK, and says once a second how far it got (MARK)."""
 
     def __init__(self, cluster, peer):
         self.cluster = cluster
@@ -163,6 +164,10 @@ class _OutLink(asyncio.Protocol):
             for kind, body in self.reader.feed(data):
                 if kind == F.ROUTE_ACK and self.resume.done():
                     self.cluster._route_acked(self.peer, F.decode_route_ack(body))
+                elif kind == F.MARK and self.resume.done():
+                    sent = self.cluster.groups_sent.get(self.peer.name)
+                    if sent is not None:
+                        sent.forget_before(F.decode_mark(body) + 1)
                 elif kind == F.RESUME and not self.resume.done():
                     self.resume.set_result(F.decode_resume(body))
                 else:
@@ -186,6 +191,8 @@ class _InLink(asyncio.Protocol):
         self.decoder = F.forward_decoder()
         self.peer = None
         self.mark = None  # [sender's log id, last offset of it taken, its run] (Cluster.applied)
+        self.mark_saved = -1  # mark[1] when the state database last had it (Cluster._marks_every)
+        self.mark_told = -1  # the last MARK sent back
         self.transport = None
         self.timer = None
         self.handshaking = False  # counted in Cluster.handshakes (behind accept_tls)
@@ -402,8 +409,7 @@ class Cluster:
                 raise ClusterError(f"joining through etcd {self.endpoint} failed: {type(e).__name__}: {e}") from e
             raise
         self._main = self.loop.create_task(self._run())
-        if self.persist is not None:
-            self._saver = self.loop.create_task(self._save_marks_every(_MARKS_EVERY))
+        self._saver = self.loop.create_task(self._marks_every(_MARKS_EVERY))
         log.info("cluster %s: node %s joined through etcd %s; links on %s; %d other node(s)",
                  self.name, self.node, self.endpoint, self.advertise, len(self.peers))
 
@@ -415,7 +421,8 @@ class Cluster:
             self._main.cancel()
         if self._saver is not None:
             self._saver.cancel()
-            self._save_marks()
+            if self.persist is not None:
+                self._save_marks()
         if self._flushing is not None:
             self._flushing.cancel()
         if self._removals_timer is not None:
@@ -1056,10 +1063,23 @@ class Cluster:
             self._marks_dirty = False
             self.persist.store.set_meta(_MARKS_KEY, json.dumps(self.applied))
 
-    async def _save_marks_every(self, period):
+    async def _marks_every(self, period):
         while True:
             await asyncio.sleep(period)
-            self._save_marks()
+            persist = self.persist is not None
+            if persist:
+                self._save_marks()
+            for link in self.inlinks:
+                mark = link.mark
+                if mark is None or link.transport is None or link.transport.is_closing():
+                    continue
+                # Tell the sender how far this node got: with disk storage what the save
+                # of a second ago covers (written by now), else what it took.
+                told = link.mark_saved if persist else mark[1]
+                link.mark_saved = mark[1]
+                if told > link.mark_told:
+                    link.mark_told = told
+                    link.transport.write(F.encode_mark(told))
 
     def _fall_behind(self, peer, off):
         """A live link is full past [cluster] link_buffer at offset `off`: stop writing to
@@ -1368,6 +1388,7 @@ class Cluster:
             "$SYS/broker/cluster/messages/replayed": self.replayed,
             "$SYS/broker/cluster/messages/duplicates": self.duplicates,
             "$SYS/broker/cluster/messages/replay_lost": self.replay_lost,
+            "$SYS/broker/cluster/messages/groups_kept": sum(len(s.groups) for s in self.groups_sent.values()),
             "$SYS/broker/cluster/links/fell_behind": self.fell_behind,
             "$SYS/broker/cluster/links/refused": self.links_refused,
             "$SYS/broker/cluster/routes/late": self.route_timeouts,

@@ -191,7 +191,7 @@ class _InLink(asyncio.Protocol):
         self.decoder = F.forward_decoder()
         self.peer = None
         self.mark = None  # [sender's log id, last offset of it taken, its run] (Cluster.applied)
-        self.mark_saved = -1  # mark[1] when the state database last had it (Cluster._marks_every)
+        self.mark_saving = None  # (epoch id, mark[1]) saved with that epoch, not yet known durable
         self.mark_told = -1  # the last MARK sent back
         self.transport = None
         self.timer = None
@@ -986,8 +986,9 @@ class Cluster:
         half = self.link_buffer // 2
         first = True
         sent = self.groups_sent.get(peer.name)
-        if sent is not None:
-            sent.forget_before(start)
+        if sent is None:  # (choices made while it replays must be found as it goes)
+            sent = self.groups_sent[peer.name] = GroupsSent()
+        sent.forget_before(start)
         while True:
             if t.is_closing() or peer.link is not link:
                 return False
@@ -1066,17 +1067,26 @@ class Cluster:
     async def _marks_every(self, period):
         while True:
             await asyncio.sleep(period)
-            persist = self.persist is not None
-            if persist:
+            store = self.persist.store if self.persist is not None else None
+            if store is not None:
                 self._save_marks()
             for link in self.inlinks:
                 mark = link.mark
                 if mark is None or link.transport is None or link.transport.is_closing():
                     continue
-                # Tell the sender how far this node got: with disk storage what the save
-                # of a second ago covers (written by now), else what it took.
-                told = link.mark_saved if persist else mark[1]
-                link.mark_saved = mark[1]
+                # Tell the sender how far this node got: with disk storage, as far as a
+                # save that is durable now says (a restart resumes from there), else what
+                # it took.
+                if store is None:
+                    told = mark[1]
+                else:
+                    told = link.mark_told
+                    saving = link.mark_saving
+                    if saving is not None and store.durable_id >= saving[0]:
+                        told = saving[1]
+                        saving = None
+                    if saving is None:
+                        link.mark_saving = (store.epoch_id, mark[1])
                 if told > link.mark_told:
                     link.mark_told = told
                     link.transport.write(F.encode_mark(told))

@@ -319,6 +319,11 @@ class Store(EpochAppender):
         return self._last_id
 
     @property
+    def epoch_id(self):
+        """The epoch being filled: what is queued now is durable once `durable_id` reaches it."""
+        return self._epoch.id
+
+    @property
     def unwritten_bytes(self):
         """Bytes of sealed records the writer has not written yet."""
         return self.sealed_bytes - self.written_bytes

@@ -13,6 +13,8 @@ what a link said since: a filter subscribed again right after its unsubscribe is
 not dropped by the etcd delete of the first one arriving after the link's news.
 """
 
+from collections import deque
+
 from ..broker.topics import TopicTrie
 
 NODES = "nodes/"
@@ -116,9 +118,9 @@ class RemoteInterest:
     Changes come from the links (`linked`) and from etcd (`put`, `deleted`); `add` and
     `remove` apply one without asking where it came from."""
 
-    __slots__ = ("_normal", "_shared", "_cache", "by_node", "_told")
+    __slots__ = ("_normal", "_shared", "_cache", "by_node", "_told", "_removals")
 
-    TOLD_MAX = 10_000  # link changes kept until etcd has them; past it, the removals are let go
+    TOLD_MAX = 10_000  # removals a link told that etcd has not said, kept; past it the oldest go
 
     def __init__(self):
         self._normal = TopicTrie()  # filter -> {node: True}
@@ -128,18 +130,24 @@ class RemoteInterest:
         # (node, group, filter) -> (seq, present, online): the last change a link told
         # that etcd has not yet said (or said something older than).
         self._told = {}
+        self._removals = deque()  # keys of removals in _told, oldest first (some since replaced)
 
     def linked(self, node, group, flt, online, removed, seq):
         """A ROUTE from `node`'s link: its change number `seq`, ahead of etcd."""
         told = self._told
-        if len(told) >= self.TOLD_MAX:
-            # Removals etcd never says (a filter added and removed before the node wrote
-            # etcd): forgetting one lets a late etcd put add its filter back until the
-            # delete follows, which costs forwarding, never a message.
-            for key in [k for k, v in told.items() if not v[1]]:
-                del told[key]
-        told[(node, group, flt)] = (seq, not removed, online)
+        key = (node, group, flt)
+        told[key] = (seq, not removed, online)
         if removed:
+            removals = self._removals
+            removals.append(key)
+            while len(removals) > self.TOLD_MAX:
+                # Removals etcd never says (a filter added and removed before the node
+                # wrote etcd): forgetting one lets a late etcd put add its filter back
+                # until the delete follows, which costs forwarding, never a message.
+                old = removals.popleft()
+                v = told.get(old)
+                if v is not None and not v[1]:
+                    del told[old]
             self.remove(node, group, flt)
         else:
             self.add(node, group, flt, online)

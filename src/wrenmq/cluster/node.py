@@ -55,6 +55,7 @@ log = logging.getLogger("wrenmq.cluster")
 _TXN_OPS = 100  # etcd's default --max-txn-ops is 128
 _TXN_BYTES = 1 << 20  # and its default --max-request-bytes 1.5 MiB
 _SYNC_CHUNK = 1000  # retained messages sent per loop turn when a link comes up
+_REPLAY_SLICE = 100  # log records made into frames per loop turn by a replay
 _RETRY = (0.2, 0.5, 1.0, 2.0, 5.0)
 _HELLO_BYTES = 4096  # the largest frame before a link has said who it is
 _HELLO_TIMEOUT = 5.0  # seconds a link may stay silent before its HELLO
@@ -1015,19 +1016,24 @@ class Cluster:
             if not recs:  # a damaged stretch of the log (logged by the reader): skip it
                 cursor = min(cursor + 500, end)
                 continue
-            now = self.router.clock()
-            frames = []
-            for rec in recs:
-                cursor = rec.offset + 1
-                frame = self._replay_frame(peer.name, rec, now, sent)
-                if frame is not None:
-                    frames.append(frame)
-            if frames:
-                t.writelines(frames)
-                peer.replayed += len(frames)
-                self.replayed += len(frames)
-            peer.resume_from = cursor
-            await asyncio.sleep(0)
+            # The frames in slices, a loop turn each: the read costs a turn 1.5-2.5 ms
+            # (4 KiB records), each slice's frames 0.5 ms more (docs/BENCHMARKS.md).
+            for i in range(0, len(recs), _REPLAY_SLICE):
+                if i and (t.is_closing() or peer.link is not link):
+                    return False
+                now = self.router.clock()
+                frames = []
+                for rec in recs[i:i + _REPLAY_SLICE]:
+                    cursor = rec.offset + 1
+                    frame = self._replay_frame(peer.name, rec, now, sent)
+                    if frame is not None:
+                        frames.append(frame)
+                if frames:
+                    t.writelines(frames)
+                    peer.replayed += len(frames)
+                    self.replayed += len(frames)
+                peer.resume_from = cursor
+                await asyncio.sleep(0)
 
     def _replay_frame(self, name, rec, now, sent=None):
         """The FORWARD of one log record for node `name`, if it is for it (its filters as

@@ -165,8 +165,11 @@ class Batch:
         self.max_ts = max_ts
         self._cols = None
         if verify:
-            data = bytes(memoryview(buf)[pos + 12:pos + size])
-            if _crc(data) != crc and zlib.crc32(data) != crc:  # (CRC-32: a log from before CRC-32C)
+            with memoryview(buf) as mv:  # (no copy of the batch for its checksum)
+                data = mv[pos + 12:pos + size]
+                bad = _crc(data) != crc and zlib.crc32(data) != crc  # (CRC-32: a log from before CRC-32C)
+                data.release()
+            if bad:
                 raise CorruptBatch(f"batch at offset {base}: CRC mismatch")
 
     @property
@@ -212,8 +215,9 @@ class Batch:
         s, e = self.columns()[name]
         return memoryview(self.buf)[s:e].cast("B").cast(code)
 
-    def records(self, check_records=False):
-        """Yield Record objects (the per-record path: CLI, broker catch-up, salvage).
+    def records(self, check_records=False, first=0):
+        """Yield Record objects (the per-record path: CLI, broker catch-up, salvage), from
+        the batch's record `first` on (the ones before it are not built).
 
         With `check_records` (salvaging a batch whose CRC failed) a record is yielded
         only if its CRC checks out and the fields its CRC does not cover look sound
@@ -234,7 +238,7 @@ class Batch:
             # (records of one batch come from one group commit, so their times are close).
             hi = self.max_ts
             lo = self.first_ts - max(0, hi - self.first_ts) - 1_000_000
-        for i in range(self.count):
+        for i in range(max(0, first), self.count):
             topic = bytes(mv[tb + to[i]:tb + to[i + 1]])
             client = bytes(mv[cb + co[i]:cb + co[i + 1]])
             props = bytes(mv[pb + po[i]:pb + po[i + 1]])

@@ -679,7 +679,8 @@ class LogReader:
         """
         match = _matcher(topic_filters)
         for b in self.batches(start, end):
-            recs = b.records() if isinstance(b, Batch) else b
+            # (a batch holds hundreds of records: a read from its middle builds none before)
+            recs = b.records(first=start - b.base) if isinstance(b, Batch) else b
             for r in recs:
                 if r.offset < start:
                     continue

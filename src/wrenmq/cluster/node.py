@@ -1073,29 +1073,36 @@ class Cluster:
     async def _marks_every(self, period):
         while True:
             await asyncio.sleep(period)
-            store = self.persist.store if self.persist is not None else None
-            if store is not None:
-                self._save_marks()
-            for link in self.inlinks:
-                mark = link.mark
-                if mark is None or link.transport is None or link.transport.is_closing():
-                    continue
-                # Tell the sender how far this node got: with disk storage, as far as a
-                # save that is durable now says (a restart resumes from there), else what
-                # it took.
-                if store is None:
-                    told = mark[1]
-                else:
-                    told = link.mark_told
-                    saving = link.mark_saving
-                    if saving is not None and store.durable_id >= saving[0]:
-                        told = saving[1]
-                        saving = None
-                    if saving is None:
-                        link.mark_saving = (store.epoch_id, mark[1])
-                if told > link.mark_told:
-                    link.mark_told = told
-                    link.transport.write(F.encode_mark(told))
+            try:
+                self._marks_now()
+            except Exception:  # (a bug here must not stop the saves for good)
+                log.exception("cluster: saving or telling how far this node got failed")
+
+    def _marks_now(self):
+        """Once a second: save the marks, and tell each sender how far this node got (MARK)."""
+        store = self.persist.store if self.persist is not None else None
+        if store is not None:
+            self._save_marks()
+        for link in self.inlinks:
+            mark = link.mark
+            if mark is None or link.transport is None or link.transport.is_closing():
+                continue
+            # Tell the sender how far this node got: with disk storage, as far as a
+            # save that is durable now says (a restart resumes from there), else what
+            # it took.
+            if store is None:
+                told = mark[1]
+            else:
+                told = link.mark_told
+                saving = link.mark_saving
+                if saving is not None and store.durable_id >= saving[0]:
+                    told = saving[1]
+                    saving = None
+                if saving is None:
+                    link.mark_saving = (store.epoch_id, mark[1])
+            if told > link.mark_told:
+                link.mark_told = told
+                link.transport.write(F.encode_mark(told))
 
     def _fall_behind(self, peer, off):
         """A live link is full past [cluster] link_buffer at offset `off`: stop writing to

@@ -409,6 +409,48 @@ def test_session_follows_its_client_to_another_node(cluster, version):
     assert wait_for(lambda: sys_value(lambda: cl.client("b"), "$SYS/broker/cluster/sessions/taken_over") == "1")
 
 
+def test_a_session_moving_away_misses_nothing_published_on_its_old_node(cluster):
+    # A publisher on node a sends QoS 1 messages without pause while the session they
+    # are for moves from a to b (its client reconnects there with clean start 0). The
+    # messages a takes after it handed the session over must follow it to b, not wait
+    # for b's filters to reach a.
+    import threading
+
+    cl = cluster()
+    cl.start("a")
+    cl.start("b")
+    links_up(cl, "a", "b")
+    cid, props = uid("mv"), {"SessionExpiryInterval": 300}
+    first = cl.client("a", client_id=cid, clean=False, properties=props)
+    first._reconnect_on_failure = False
+    sub(first, "mv/#", 1)
+    pub = cl.client("a")
+    stop = threading.Event()
+    sent = []
+
+    def publish_on():
+        i = 0
+        while not stop.is_set():
+            info = pub.publish("mv/x", b"%d" % i, 1)
+            info.wait_for_publish(5)
+            sent.append(i)
+            i += 1
+
+    publisher = threading.Thread(target=publish_on)
+    publisher.start()
+    time.sleep(0.5)
+    first.disconnect()
+    first.loop_stop()
+    again = cl.client("b", client_id=cid, clean=False, properties=props)
+    time.sleep(0.5)
+    stop.set()
+    publisher.join(10)
+    assert again.connack[1].session_present is True
+    got = {int(m.payload) for m in list(drain(first, 0.1)) + list(drain(again, 2.0))}
+    missed = sorted(set(sent) - got)
+    assert len(sent) > 200 and not missed, (len(sent), missed[:20])
+
+
 def test_session_taken_over_is_stored_on_its_new_node(cluster):
     cl = cluster()
     cl.start("a")

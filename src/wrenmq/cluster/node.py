@@ -334,7 +334,7 @@ class Cluster:
         self.handed_over = 0  # sessions this node gave to another
         self.taken_over = 0  # sessions this node took from another
         self.etcd_up = False
-        self._asks = {}  # request id -> future of a SESSION answer
+        self._asks = {}  # request id -> (future of a SESSION answer, the client id asked for)
         self._dirty = []  # peers with frames in `out`
         self._flush_scheduled = False
         self._ids = itertools.count(1)
@@ -1332,26 +1332,23 @@ class Cluster:
             return False
         rid = next(self._ids)
         fut = self.loop.create_future()
-        self._asks[rid] = fut
+        self._asks[rid] = (fut, cid)
         self._send_control(peer, F.encode_session_ask(rid, cid))
         try:
-            state, pkts = await asyncio.wait_for(fut, _HANDOVER_TIMEOUT)
+            taken = await asyncio.wait_for(fut, _HANDOVER_TIMEOUT)
         except asyncio.TimeoutError:
             log.warning("cluster: node %s did not hand %s's session over within %.0f s; it starts anew here",
                         owner, cid, _HANDOVER_TIMEOUT)
             return False
         finally:
             self._asks.pop(rid, None)
-        if not state.get("found") or state.get("cid") != cid:
+        if taken is None:
             return False
-        router = self.router
-        since = router.persist.next_offset if router.persist is not None else 0
-        session, queued = build_session(state, pkts, router.clock, since)
-        router.adopt_session(session, queued)
+        session, moved, dropped = taken
         self.taken_over += 1
         log.info("cluster: took %s's session over from node %s (%d subscription(s), %d message(s)%s)",
-                 cid, owner, len(session.subscriptions), len(pkts),
-                 f"; {state['dropped']} beyond [cluster] link_buffer not moved" if state.get("dropped") else "")
+                 cid, owner, len(session.subscriptions), moved,
+                 f"; {dropped} beyond [cluster] link_buffer not moved" if dropped else "")
         return True
 
     def _session_asked(self, requester, body):
@@ -1366,18 +1363,34 @@ class Cluster:
             return
         state, pubs = session_state(session, rid, router.clock(), self.link_buffer)
         self._owned.pop(cid, None)  # the asking node registers the client next
+        # From now on the session's filters are the asking node's: what this node takes
+        # for them goes there (on the link, after the session), not nowhere until that
+        # node's own ROUTEs arrive.
+        for sub in session.subscriptions.values():
+            if sub.filter[:4] != "$SYS":
+                self.remote.add(requester, sub.group, sub.filter, True)
         router.end_session(session, publish_will=False)
         self.handed_over += 1
         self._send_control(peer, F.encode_session(state, pubs))
 
     def _session_answered(self, body):
         state, pkts = F.decode_session(body)
-        fut = self._asks.get(state.get("id"))
-        if fut is None or fut.done():
+        ask = self._asks.get(state.get("id"))
+        if ask is None or ask[0].done():
             log.warning("cluster: %s's session arrived after its CONNECT stopped waiting; dropped",
                         state.get("cid"))
             return
-        fut.set_result((state, pkts))
+        fut, cid = ask
+        if not state.get("found") or state.get("cid") != cid:
+            fut.set_result(None)
+            return
+        # Taken in now, before the frames that follow on this link: the old node sends
+        # on what it takes for the session after handing it over (_session_asked).
+        router = self.router
+        since = router.persist.next_offset if router.persist is not None else 0
+        session, queued = build_session(state, pkts, router.clock, since)
+        router.adopt_session(session, queued)
+        fut.set_result((session, len(pkts), state.get("dropped")))
 
     @staticmethod
     def _linked(peer):

@@ -1105,25 +1105,39 @@ def test_a_restarted_node_gets_what_its_persistent_sessions_missed_and_nothing_o
     assert collect(late, 1) == [b"new"]  # only what came after it subscribed
 
 
-def test_a_shared_group_skips_a_node_whose_link_is_behind(cluster):
-    # Node b stalls, node a's link to it falls behind; then b dies. The group's messages
-    # published meanwhile all went to the member on node a: none waited for b.
+def link_to_fill(cluster):
+    """Nodes a (disk storage) and b, a subscriber to fill/# on b and a publisher on a whose
+    route to it is in place: (cluster, node b, publisher). `fill_link` then puts a's link
+    to a stopped b behind."""
     cl = cluster(link_buffer=65536, lease_ttl=30)
     cl.start("a", storage=disk(cl, "a"))
     b = cl.start("b")
-    ma = cl.client("a")
-    sub(ma, "$share/g/sg/#", 1)
-    mb = cl.client("b")
-    sub(mb, "$share/g/sg/#", 1)
     filler = cl.client("b")
     sub(filler, "fill/#", 1)
     pub = cl.client("a")
     await_route(pub, filler, "fill/probe")
+    return cl, b, pub
+
+
+def fill_link(cl, pub):
+    """With node b stopped: 24 MB for its subscriber, more than link_buffer and the kernel's
+    socket buffers, so node a's link to it falls behind."""
+    publish_all(pub, "fill/x", numbered(6000, 4096))
+    assert int(sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/links/fell_behind")) >= 1
+
+
+def test_a_shared_group_skips_a_node_whose_link_is_behind(cluster):
+    # Node b stalls, node a's link to it falls behind; then b dies. The group's messages
+    # published meanwhile all went to the member on node a: none waited for b.
+    cl, b, pub = link_to_fill(cluster)
+    ma = cl.client("a")
+    sub(ma, "$share/g/sg/#", 1)
+    mb = cl.client("b")
+    sub(mb, "$share/g/sg/#", 1)
     await_route(pub, mb, "sg/probe")  # node a knows node b's member
     b.proc.send_signal(signal.SIGSTOP)
     try:
-        publish_all(pub, "fill/x", numbered(6000, 4096))
-        assert int(sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/links/fell_behind")) >= 1
+        fill_link(cl, pub)
         drain(ma)
         for i in range(10):
             publish(pub, "sg/x", b"%d" % i, 1)
@@ -1168,21 +1182,14 @@ def test_a_shared_groups_messages_for_a_node_behind_wait_in_the_log(cluster):
     # Node a's link to b falls behind while the group's only member is on b: the group's
     # messages for b wait in a's log and reach b by replay once it drains, all of them,
     # not link_buffer's worth kept in memory.
-    cl = cluster(link_buffer=65536, lease_ttl=30)
-    cl.start("a", storage=disk(cl, "a"))
-    b = cl.start("b")
+    cl, b, pub = link_to_fill(cluster)
     member = cl.client("b")
     sub(member, "$share/g/sg/#", 1)
-    filler = cl.client("b")
-    sub(filler, "fill/#", 1)
-    pub = cl.client("a")
-    await_route(pub, filler, "fill/probe")
     await_route(pub, member, "sg/probe")
     sent = numbered(200, 4096)  # 800 KB for the group: more than link_buffer
     b.proc.send_signal(signal.SIGSTOP)
     try:
-        publish_all(pub, "fill/x", numbered(6000, 4096))
-        assert int(sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/links/fell_behind")) >= 1
+        fill_link(cl, pub)
         publish_all(pub, "sg/x", sent)
     finally:
         b.proc.send_signal(signal.SIGCONT)
@@ -1424,10 +1431,10 @@ def test_hello_resume_round_trip_and_bad_frames():
         F.decode_forward(good[5:5 + 22] + b"\xc0\x00")  # (header 19, client id 1, group count 2)
 
 
-def test_groups_sent_remembers_the_last_choices_by_offset(monkeypatch):
-    from wrenmq.cluster import node as N
-    monkeypatch.setattr(N, "_GROUPS_KEPT", 3)
-    sent = N.GroupsSent()
+def test_groups_sent_remembers_the_last_choices_by_offset():
+    from wrenmq.cluster.node import GroupsSent
+
+    sent = GroupsSent(kept=3)
     g, h = ("g", "s/#"), ("h", "s/+")
     assert sent.add(10, [g]) == -1 and sent.add(11, [g, h]) == -1 and sent.add(12, [g]) == -1
     assert sent.get(10) == (g,) and sent.get(11) == (g, h) and sent.get(9) == ()

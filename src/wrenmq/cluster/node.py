@@ -100,7 +100,7 @@ class Peer:
 class GroupsSent:
     """The shared groups that logged messages sent to one node were chosen for there,
     by offset: until the node says it has them (MARK, `forget_before`), at most the
-    last _GROUPS_KEPT.
+    last `kept` (_GROUPS_KEPT).
 
     A replay to that node (its link failed or fell behind, or it restarted) reads the
     log, which does not say which node a group's member was picked on: this does, so
@@ -108,9 +108,10 @@ class GroupsSent:
     name, across the node leaving and coming back; lost with this node's process.
     """
 
-    __slots__ = ("groups", "order", "_same")
+    __slots__ = ("groups", "order", "kept", "_same")
 
-    def __init__(self):
+    def __init__(self, kept=_GROUPS_KEPT):
+        self.kept = kept
         self.groups = {}  # offset -> tuple of (share name, filter)
         self.order = collections.deque()  # the offsets in `groups`, oldest first
         self._same = {}  # one tuple per distinct set of groups, shared by its offsets
@@ -127,7 +128,7 @@ class GroupsSent:
         self.groups[off] = kept
         order = self.order
         order.append(off)
-        if len(order) > _GROUPS_KEPT:
+        if len(order) > self.kept:
             old = order.popleft()
             self.groups.pop(old, None)
             return old
@@ -986,9 +987,7 @@ class Cluster:
         cursor = start
         half = self.link_buffer // 2
         first = True
-        sent = self.groups_sent.get(peer.name)
-        if sent is None:  # (choices made while it replays must be found as it goes)
-            sent = self.groups_sent[peer.name] = GroupsSent()
+        sent = self._groups_sent_to(peer)  # (choices made while it replays are found as it goes)
         sent.forget_before(start)
         while True:
             if t.is_closing() or peer.link is not link:
@@ -1211,13 +1210,16 @@ class Cluster:
             self._send(peer, F.encode_forward(body, flags, msg.client_id, msg.timestamp, groups))
         return delivered
 
-    def _groups_chosen(self, peer, off, groups):
-        """Remember that the logged message `off` went to `peer` for `groups`; count a choice
-        forgotten for room while the peer's link was not live (its replay cannot give it)."""
+    def _groups_sent_to(self, peer):
         sent = self.groups_sent.get(peer.name)
         if sent is None:
             sent = self.groups_sent[peer.name] = GroupsSent()
-        if sent.add(off, groups) >= 0 and not peer.up:
+        return sent
+
+    def _groups_chosen(self, peer, off, groups):
+        """Remember that the logged message `off` went to `peer` for `groups`; count a choice
+        forgotten for room while the peer's link was not live (its replay cannot give it)."""
+        if self._groups_sent_to(peer).add(off, groups) >= 0 and not peer.up:
             self.replay_lost += 1
             if self.replay_lost & (self.replay_lost - 1) == 0:
                 log.warning("cluster: node %s is down with more than %d shared-group messages owed to it; "

@@ -5,6 +5,7 @@ the module (Debian's etcd-server, installed by `make test`); tests that stop etc
 start their own.
 """
 
+import collections
 import json
 import shutil
 import signal
@@ -449,6 +450,55 @@ def test_a_session_moving_away_misses_nothing_published_on_its_old_node(cluster)
     got = {int(m.payload) for m in list(drain(first, 0.1)) + list(drain(again, 2.0))}
     missed = sorted(set(sent) - got)
     assert len(sent) > 200 and not missed, (len(sent), missed[:20])
+
+
+@pytest.mark.parametrize("publisher_on", ["b", "c"])
+def test_a_session_moving_away_misses_nothing_other_nodes_send_its_old_node(cluster, publisher_on):
+    # The same move from a to b, with the publisher on the new node b or on a third node
+    # c. What those nodes send a for the session in the moment before they learn it is
+    # on b (a link round trip) reaches a after a handed the session over: a must pass it
+    # on to b, and b must not deliver twice what also came to it directly.
+    import threading
+
+    cl = cluster()
+    for name in ("a", "b", "c"):
+        cl.start(name, storage=disk(cl, name))
+    links_up(cl, "a", "b", "c")
+    cid, props = uid("mv3"), {"SessionExpiryInterval": 300}
+    first = cl.client("a", client_id=cid, clean=False, properties=props)
+    first._reconnect_on_failure = False
+    sub(first, "mv3/#", 1)
+    pub = cl.client(publisher_on)
+    await_route(pub, first, "mv3/probe")
+    stop = threading.Event()
+    sent = []
+
+    def publish_on():
+        i = 0
+        while not stop.is_set():
+            info = pub.publish("mv3/x", b"%d" % i, 1)
+            info.wait_for_publish(5)
+            sent.append(i)
+            i += 1
+
+    publisher = threading.Thread(target=publish_on)
+    publisher.start()
+    time.sleep(0.5)
+    first.disconnect()
+    first.loop_stop()
+    again = cl.client("b", client_id=cid, clean=False, properties=props)
+    time.sleep(0.5)
+    stop.set()
+    publisher.join(10)
+    assert again.connack[1].session_present is True
+    before = [int(m.payload) for m in drain(first, 0.1) if m.payload != b"probe"]
+    after = [int(m.payload) for m in drain(again, 2.0)]
+    missed = sorted(set(sent) - set(before) - set(after))
+    assert len(sent) > 200 and not missed, (len(sent), missed[:20])
+    # On b, nothing twice: a message both passed on by a and sent to b directly (or
+    # published on b and sent back by a) is delivered once.
+    twice = [i for i, n in collections.Counter(after).items() if n > 1]
+    assert not twice, twice[:20]
 
 
 def test_session_taken_over_is_stored_on_its_new_node(cluster):
@@ -1429,6 +1479,13 @@ def test_hello_resume_round_trip_and_bad_frames():
             F.decode_forward(good[5:cut])
     with pytest.raises(F.FrameError):  # not a PUBLISH inside
         F.decode_forward(good[5:5 + 22] + b"\xc0\x00")  # (header 19, client id 1, group count 2)
+    kind, body = F.FrameReader(1024).feed(F.encode_relay("dev-7", "0123abcd", good[5:]))[0]
+    cid, origin, inner = F.decode_relay(body)
+    assert kind == F.RELAY and (cid, origin, bytes(inner)) == ("dev-7", "0123abcd", good[5:])
+    assert F.decode_forward(inner)[4].topic == "t"
+    for cut in (1, 8, 14):
+        with pytest.raises(F.FrameError):
+            F.decode_relay(body[:cut])
 
 
 def test_groups_sent_remembers_the_last_choices_by_offset():
@@ -1539,7 +1596,7 @@ def test_link_frames_from_garbage_only_ever_raise_frame_error():
                                st.binary(min_size=1, max_size=8))))
     def check(data):
         decoders = (F.decode_forward, F.decode_hello, F.decode_resume, F.decode_route, F.decode_route_ack,
-                    F.decode_mark, F.decode_session_ask, F.decode_session)
+                    F.decode_mark, F.decode_session_ask, F.decode_session, F.decode_relay)
         try:
             frames = F.FrameReader(4096).feed(data)
         except F.FrameError:

@@ -105,6 +105,9 @@ METRICS = (
      "Messages sent to another node again from the commit log: its link came up or drained."),
     ("$SYS/broker/cluster/messages/duplicates", "wrenmq_cluster_duplicate_messages_total", "counter",
      "Messages from another node dropped here because they had arrived before."),
+    ("$SYS/broker/cluster/messages/relayed", "wrenmq_cluster_relayed_messages_total", "counter",
+     "Messages another node sent here for a session that had just moved to a third node, passed on "
+     "to that node (RELAY)."),
     ("$SYS/broker/cluster/messages/replay_lost", "wrenmq_cluster_replay_lost_total", "counter",
      "Records another node needed replayed that [log] retention had deleted first, or whose shared "
      "group choice was forgotten (more than 100,000 owed to a node that is down)."),

@@ -858,7 +858,7 @@ class Router:
             return self.cluster.route(msg, hit)
         return self.route(msg, hit)
 
-    def receive_forwarded(self, msg, subscribers, retained, sync, groups, replayed=False):
+    def receive_forwarded(self, msg, subscribers, retained, sync, groups, replayed=False, skip=None):
         """A message another node accepted (cluster link): deliver it here, never onwards.
 
         `subscribers`: to the matching non-shared subscribers; `retained`: update the
@@ -866,7 +866,8 @@ class Router:
         link came up, kept only if newer than the one held; `groups`: (share name,
         filter) pairs chosen to deliver to one member here; `replayed`: sent again from
         the other node's log after its link was down or behind, so only for
-        subscriptions made before it was published. Not recorded in this node's
+        subscriptions made before it was published; `skip`: sessions that have it
+        already (a session that just moved here, given it by its old node). Not recorded in this node's
         log: the node that accepted it did (a persistent session here that is owed it
         still gets it written, as `_deliver` does for any unrecorded message).
         """
@@ -886,8 +887,22 @@ class Router:
             normal = tuple(e for e in normal if any(
                 s.created <= ts and s.group is None and topic_matches(s.filter, topic)
                 for s in e[0].subscriptions.values()))
+        if skip:
+            normal = tuple(e for e in normal if e[0] not in skip)
         local = tuple(g for g in hit[1] if (g.name, g.filter) in groups) if groups else ()
         return self.route(msg, (normal, local))
+
+    def matching(self, topic):
+        """The router's (cached) match of `topic`, as `route` takes it: first the
+        subscribers as (session, qos, retain as published, subscription ids, no local)."""
+        hit = self._matches.get(topic)
+        return hit if hit is not None else self._match(topic)
+
+    def deliver_to(self, session, msg):
+        """A message from another node for one session only (passed on by the node the
+        session just left): delivered as its subscriptions here take it."""
+        mine = tuple(e for e in self.matching(msg.topic)[0] if e[0] is session)
+        return self.route(msg, (mine, ())) if mine else False
 
     def _retained_newer(self, topic, ts, or_same):
         """Whether a retained message (or clear) of time `ts` from another node is newer

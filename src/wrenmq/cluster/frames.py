@@ -11,6 +11,7 @@ the message as an MQTT 5 PUBLISH, so properties, QoS, retain and the remaining
 expiry use the codec every client connection already uses. ROUTE tells the
 receiver of a filter new on the sender, which answers ROUTE_ACK once it has it
 (and of one the sender no longer has, or whose group's last connected member left).
+RELAY passes a FORWARD on to the node a session moved to, for that session only.
 """
 
 import json
@@ -31,6 +32,8 @@ ROUTE = 6  # a filter the sender's clients now subscribe to (or no longer), ahea
 ROUTE_ACK = 7  # the receiver applied the sender's ROUTEs up to JSON {"seq"}
 MARK = 8  # the receiver has the sender's log up to JSON {"offset"} (with disk storage: saved), once a
 #          second: what the sender keeps for replays up to there may go (node.GroupsSent)
+RELAY = 9  # a FORWARD this node took for a session it has just handed to the receiver, passed on
+#           for that session only: u16 n | client id | u16 n | the origin's log id | FORWARD body
 
 # FORWARD flags: what the receiving node does with the message.
 TO_SUBSCRIBERS = 1  # deliver to its (non-shared) subscribers that match
@@ -186,6 +189,31 @@ def decode_forward(body, decoder=None):
     if pkt is None or pkt.TYPE != C.PUBLISH:
         raise FrameError("FORWARD does not hold one PUBLISH")
     return flags, cid, ts, groups, pkt, offset
+
+
+def encode_relay(client_id, origin, forward):
+    """RELAY frame: the FORWARD body `forward`, taken from the node whose log is
+    `origin`, for the session of `client_id` only."""
+    cid = client_id.encode()
+    org = origin.encode()
+    head = _U16.pack(len(cid)) + cid + _U16.pack(len(org)) + org
+    return _FRAME.pack(len(head) + len(forward) + 1, RELAY) + head + forward
+
+
+def decode_relay(body):
+    """(client id, origin log id, FORWARD body) of a RELAY body."""
+    try:
+        (n,) = _U16.unpack_from(body, 0)
+        cid = bytes(body[2:2 + n]).decode()
+        pos = 2 + n
+        (m,) = _U16.unpack_from(body, pos)
+        origin = bytes(body[pos + 2:pos + 2 + m]).decode()
+        pos += 2 + m
+        if len(body) - pos < _FORWARD.size:
+            raise FrameError("RELAY holds no FORWARD")
+    except (struct.error, UnicodeDecodeError) as e:
+        raise FrameError(f"malformed RELAY: {e}") from None
+    return cid, origin, body[pos:]
 
 
 def encode_session_ask(request_id, client_id):

@@ -47,6 +47,7 @@ import uuid
 from . import ClusterError, etcd_client
 from . import frames as F
 from .handover import build_session, session_state
+from ..broker.topics import TopicTrie
 from .interest import (CLIENTS, NODES, ROUTES, LocalInterest, RemoteInterest, SharedPicker, parse_route_key,
                        parse_route_value, route_key, route_value)
 
@@ -66,6 +67,12 @@ _REMOVAL_DELAY = 1.0  # seconds before a filter's removal goes to the links (Clu
 _MARKS_EVERY = 1.0  # seconds between writes of how far this node got in each sender's log
 _MARKS_KEY = "cluster_applied"  # ... in the state database's meta table
 _GROUPS_KEPT = 100_000  # shared-group choices remembered per node, for its replays (GroupsSent)
+# A session handed to another node: for this long its old node passes on (RELAY) what other
+# nodes still send it for the session (they learn where it went a link round trip later),
+# and the new node remembers, for twice as long and up to _SEEN_MAX messages, which
+# messages the session got, so a message that came both ways is delivered once.
+_RELAY_FOR = 5.0
+_SEEN_MAX = 100_000
 
 
 class Peer:
@@ -143,6 +150,12 @@ class GroupsSent:
         groups = self.groups
         while order and order[0] < off:
             groups.pop(order.popleft(), None)
+
+
+def _own_filters(session):
+    """A session's filters that are its own (not a shared group's, not $SYS)."""
+    return tuple(sub.filter for sub in session.subscriptions.values()
+                 if sub.group is None and sub.filter[:4] != "$SYS")
 
 
 class _OutLink(asyncio.Protocol):
@@ -229,6 +242,8 @@ class _InLink(asyncio.Protocol):
                     cluster._session_asked(self.peer, body)
                 elif kind == F.SESSION and self.peer is not None:
                     cluster._session_answered(body)
+                elif kind == F.RELAY and self.peer is not None:
+                    cluster._relayed(body, self.decoder)
                 elif kind == F.ROUTE and self.peer is not None:
                     seq, group, flt, online, removed = F.decode_route(body)
                     cluster.remote.linked(self.peer, group, flt, online, removed, seq)
@@ -367,6 +382,15 @@ class Cluster:
         self._left = {}
         self._removals = collections.deque()  # (when, group, filter, seq) for the links, oldest first
         self._removals_timer = None
+        # Sessions that just changed node, each until _RELAY_FOR (old node) or twice that
+        # (new node) has passed, in deques in that order. On the old node: the sessions'
+        # filters -> {client id: (the new node, until when)}; on the new one: client id
+        # -> (session, {(log id, offset) it got}, until when).
+        self._relays = TopicTrie()
+        self._relays_due = collections.deque()  # (until, client id, filters)
+        self._moved_in = {}
+        self._moved_due = collections.deque()  # (until, client id)
+        self.relayed = 0  # messages passed on to the node a session moved to
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -1140,6 +1164,8 @@ class Cluster:
         if topic[:4] == "$SYS" or not self.peers:
             return router.route(msg, hit)
         off = msg.offset  # taken before delivery here, which may record it as a private record
+        if self._moved_in and off >= 0:
+            self._got(self.log_id, off, hit)  # (a node it went to may pass it back: RELAY)
         nodes, shared = self.remote.match(topic)
         groups_for = None
         if shared:
@@ -1303,8 +1329,14 @@ class Cluster:
         self.received += 1
         if not pkt.qos and not pkt.retain and msg.expiry is None:
             msg.packet = pkt  # 5.0 subscribers get the PUBLISH bytes as they came
+        skip = None
+        if off >= 0 and flags & F.TO_SUBSCRIBERS:
+            if self._moved_in:
+                skip = self._got(mark[0], off, router.matching(pkt.topic))
+            if self._relays_due:
+                self._relay(body, mark[0], pkt.topic)
         router.receive_forwarded(msg, flags & F.TO_SUBSCRIBERS, flags & F.SET_RETAINED, flags & F.SYNC,
-                                 frozenset(groups) if groups else (), flags & F.REPLAYED)
+                                 frozenset(groups) if groups else (), flags & F.REPLAYED, skip)
         msg.packet = None
         if pkt.qos == 2 and off >= 0 and self.persist is not None and self.persist.store.must_hold:
             # It went to a persistent session here: its delivery state is in this epoch,
@@ -1371,6 +1403,16 @@ class Cluster:
         for sub in session.subscriptions.values():
             if sub.filter[:4] != "$SYS":
                 self.remote.add(requester, sub.group, sub.filter, True)
+        # And what other nodes still send here for it, until they learn where it went,
+        # is passed on to that node (RELAY), which keeps the session from getting a
+        # message twice.
+        filters = _own_filters(session)
+        self._expire_moves()
+        if filters:
+            until = self.loop.time() + _RELAY_FOR
+            for f in filters:
+                self._relays.insert(f, cid, (requester, until))
+            self._relays_due.append((until, cid, filters))
         router.end_session(session, publish_will=False)
         self.handed_over += 1
         self._send_control(peer, F.encode_session(state, pubs))
@@ -1392,7 +1434,87 @@ class Cluster:
         since = router.persist.next_offset if router.persist is not None else 0
         session, queued = build_session(state, pkts, router.clock, since)
         router.adopt_session(session, queued)
+        held = router.sessions.get(cid)
+        if held is not None and _own_filters(held):
+            until = self.loop.time() + 2 * _RELAY_FOR
+            self._moved_in[cid] = (held, set(), until)
+            self._moved_due.append((until, cid))
+        self._expire_moves()
         fut.set_result((session, len(pkts), state.get("dropped")))
+
+    def _expire_moves(self):
+        """Forget the sessions whose time for RELAY is over (oldest first)."""
+        now = self.loop.time()
+        due = self._relays_due
+        while due and due[0][0] < now:
+            until, cid, filters = due.popleft()
+            for f in filters:
+                held = self._relays.get(f, cid)
+                if held is not None and held[1] == until:  # (not a later move of the same client)
+                    self._relays.remove(f, cid)
+        due = self._moved_due
+        while due and due[0][0] < now:
+            until, cid = due.popleft()
+            entry = self._moved_in.get(cid)
+            if entry is not None and entry[2] == until:
+                del self._moved_in[cid]
+
+    def _relay(self, body, origin, topic):
+        """A FORWARD (body) from the node whose log is `origin`, taken here: pass it on to
+        the node each session that just left for, if the session matches it."""
+        self._expire_moves()
+        to = {}
+        for values in self._relays.match(topic):
+            for cid, (node, _) in values.items():
+                to[cid] = node
+        for cid, node in to.items():
+            peer = self.peers.get(node)
+            if peer is not None:
+                self._send(peer, F.encode_relay(cid, origin, body))
+                self.relayed += 1
+
+    def _got(self, origin, off, hit):
+        """Offset `off` of the log `origin` is being delivered here to the sessions of
+        `hit` (the router's match): note it for each that just came here; return those
+        that had it already (by RELAY), to be skipped, or None."""
+        self._expire_moves()
+        moved = self._moved_in
+        skip = None
+        key = (origin, off)
+        for e in hit[0]:
+            session = e[0]
+            entry = moved.get(session.client_id)
+            if entry is None or entry[0] is not session:
+                continue
+            seen = entry[1]
+            if key in seen:
+                skip = {session} if skip is None else skip | {session}
+            elif len(seen) < _SEEN_MAX:
+                seen.add(key)
+            else:
+                del moved[session.client_id]  # past its bound: later RELAYs for it are dropped
+        return skip
+
+    def _relayed(self, body, decoder):
+        """A RELAY from a session's old node: deliver its message to that session only,
+        unless the session had it already."""
+        cid, origin, inner = F.decode_relay(body)
+        flags, pcid, ts, groups, pkt, off = F.decode_forward(inner, decoder)
+        self._expire_moves()
+        entry = self._moved_in.get(cid)
+        if entry is None or off < 0:
+            return
+        session, seen, until = entry
+        router = self.router
+        if router.sessions.get(cid) is not session or len(seen) >= _SEEN_MAX:
+            del self._moved_in[cid]
+            return
+        key = (origin, off)
+        if key in seen:
+            self.duplicates += 1
+            return
+        seen.add(key)
+        router.deliver_to(session, F.message_from(pkt, pcid, ts, router.clock()))
 
     @staticmethod
     def _linked(peer):
@@ -1425,6 +1547,7 @@ class Cluster:
             "$SYS/broker/cluster/messages/dropped": self.dropped,
             "$SYS/broker/cluster/messages/replayed": self.replayed,
             "$SYS/broker/cluster/messages/duplicates": self.duplicates,
+            "$SYS/broker/cluster/messages/relayed": self.relayed,
             "$SYS/broker/cluster/messages/replay_lost": self.replay_lost,
             "$SYS/broker/cluster/messages/groups_kept": sum(len(s.groups) for s in self.groups_sent.values()),
             "$SYS/broker/cluster/links/fell_behind": self.fell_behind,

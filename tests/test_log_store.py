@@ -256,6 +256,45 @@ def test_reader_follows_a_writer(tmp_path):
     b.close()
 
 
+def test_durable_end_follows_the_writers_syncs(tmp_path):
+    # A writer with durable marks says how far its log is on disk; a reader's durable end
+    # stops there, and where it cannot read the mark, at the log's start.
+    rng = random.Random(7)
+    log = CommitLog(tmp_path / "p", durable_marks=True)
+    reader = LogReader(tmp_path / "p")
+    assert reader.durable_end_offset == 0
+    recs = make_records(rng, 0, 10, T0)
+    log.append(encode(recs), 0, 10, recs[0].timestamp, max(r.timestamp for r in recs))
+    reader.refresh()
+    assert (reader.end_offset, reader.durable_end_offset) == (10, 0)
+    log.sync()
+    reader.refresh()
+    assert reader.durable_end_offset == 10
+    mark = tmp_path / "p" / "durable"
+    good = mark.read_bytes()
+    mark.write_bytes(good[:8] + b"\0\0\0\0")  # torn
+    reader.refresh()
+    assert reader.durable_end_offset == 0
+    mark.write_bytes(good)
+    log.close()
+    # Reopened: new records are durable once synced (close syncs).
+    log = CommitLog(tmp_path / "p", durable_marks=True)
+    more = make_records(rng, 10, 5, T0 + 10)
+    log.append(encode(more), 10, 5, more[0].timestamp, max(r.timestamp for r in more))
+    reader.refresh()
+    assert (reader.end_offset, reader.durable_end_offset) == (15, 10)
+    log.close()
+    log = CommitLog(tmp_path / "p", durable_marks=True)
+    reader.refresh()
+    assert reader.durable_end_offset == 15
+    log.close()
+    # Without marks (fsync = "never") the file goes: a stale one would hold readers back.
+    CommitLog(tmp_path / "p").close()
+    reader.refresh()
+    assert not mark.exists() and reader.durable_mark is None and reader.durable_end_offset == 15
+    reader.close()
+
+
 def test_empty_log(tmp_path):
     log = CommitLog(tmp_path / "p")
     assert (log.start_offset, log.end_offset) == (0, 0)

@@ -154,7 +154,9 @@ class Options:
 
 
 def resolve(spec, node, reader, default):
-    """One partition's offset for an offsets spec ('earliest', 'latest' or a dict)."""
+    """One partition's offset for an offsets spec ('earliest', 'latest' or a dict).
+    'latest' is the log's durable end: the source never reads a record that a crash of
+    the broker's machine could still take back (LogReader.durable_end_offset)."""
     if isinstance(spec, dict):
         v = spec.get(node)
         if v is None:
@@ -162,10 +164,10 @@ def resolve(spec, node, reader, default):
         elif v == -2:
             return reader.start_offset
         elif v == -1:
-            return reader.end_offset
+            return reader.durable_end_offset
         else:
             return v
-    return reader.start_offset if spec == "earliest" else reader.end_offset
+    return reader.start_offset if spec == "earliest" else reader.durable_end_offset
 
 
 class Readers:

@@ -305,7 +305,7 @@ class WrenBatchReader(DataSourceReader):
                     end = r.offset_for_time(opts.ending_ts)
                 else:
                     end = resolve(opts.ending, node, r, "latest")
-                end = min(end, r.end_offset)
+                end = min(end, r.durable_end_offset)
                 start = check_loss(node, start, r, opts.fail_on_data_loss and isinstance(opts.starting, dict))
                 parts.extend(split_ranges(node, readers.dirs[node], start, end, opts.max_per_partition))
         finally:
@@ -334,7 +334,7 @@ class WrenStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.__dict__.update(state)
 
     def _ends(self):
-        return {node: r.end_offset for node, r in self._readers.refresh().items()}
+        return {node: r.durable_end_offset for node, r in self._readers.refresh().items()}
 
     def initialOffset(self):
         return starting_offsets(self.opts, self._readers.refresh())

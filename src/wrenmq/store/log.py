@@ -5,6 +5,8 @@ A partition is a directory of segments named by their base offset, Kafka style:
     00000000000000000000.log        record batches (see format.py)
     00000000000000000000.index      (u32 relative offset, u32 position) per ~4 KiB of log
     00000000000000000000.timeindex  (i64 max timestamp so far, u32 relative offset, u32 0)
+    durable                         (u64 offset below which all is fsynced, u32 CRC-32 of it),
+                                    kept by a writer that fsyncs (DURABLE_FILE)
 
 The time index entry of a batch holds the largest timestamp of that batch and of
 every batch before it in the segment, so "the first record with timestamp >= t"
@@ -28,6 +30,7 @@ import os
 import re
 import struct
 import time
+import zlib
 from array import array
 
 from .format import (HEADER, HEADER_SIZE, MAGIC, MAX_BATCH_BYTES, Batch, BadRecord, CorruptBatch, Record,
@@ -53,6 +56,32 @@ _BLOCK = 4096  # O_DIRECT writes: whole blocks of this size, at multiples of it,
 # or closed; a kill leaves at most this much allocated past its end.
 _RESERVE_AHEAD = 16 << 20
 _FALLOC_FL_KEEP_SIZE = 1
+# The partition's durable end, kept by a writer that fsyncs (`CommitLog(durable_marks=True)`):
+# the offset below which every record is on disk (an fdatasync of it returned), and the
+# CRC-32 of those 8 bytes. Readers that must never see a record a crash of the machine
+# could still take back, and its offset then reused (the Spark source), read up to it.
+DURABLE_FILE = "durable"
+_DURABLE = struct.Struct("<QI")
+
+
+def read_durable(directory):
+    """The durable end `directory`'s writer last wrote; None if it keeps none (its fsync
+    is "never", or it predates the file); 0 if the file cannot be read (a crash left it
+    torn: nothing is known durable until the writer writes it again)."""
+    path = os.path.join(directory, DURABLE_FILE)
+    for _ in range(3):  # (a read racing the writer's 12-byte write can see half of it)
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read(_DURABLE.size)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return 0
+        if len(data) == _DURABLE.size:
+            offset, crc = _DURABLE.unpack(data)
+            if zlib.crc32(data[:8]) == crc:
+                return offset
+    return 0
 
 
 def _find_fallocate():
@@ -482,6 +511,7 @@ class LogReader:
         self.segments = []
         self._lost = _OffsetSet()
         self._noted = set()
+        self.durable_mark = None  # the writer's durable end at the last refresh (read_durable)
         self.refresh()
 
     @property
@@ -493,6 +523,8 @@ class LogReader:
 
     def refresh(self):
         """Pick up new segments and appended data, drop deleted segments."""
+        # (Read before the segments: what it says durable is then in what they show.)
+        self.durable_mark = read_durable(self.dir)
         known = {s.base: s for s in self.segments}
         segments = []
         bases = _list_segments(self.dir)
@@ -579,6 +611,15 @@ class LogReader:
     def end_offset(self):
         """The offset the next record written will get (as far as this reader knows)."""
         return self.segments[-1].next_offset if self.segments else 0
+
+    @property
+    def durable_end_offset(self):
+        """The end of what is on disk for sure: `end_offset`, or less where the writer
+        says (DURABLE_FILE) it has not fsynced the rest yet. Records past it can still be
+        lost to a crash of the machine, and their offsets reused for other records."""
+        end = self.end_offset
+        mark = self.durable_mark
+        return end if mark is None else max(min(end, mark), self.start_offset)
 
     # --- reading -------------------------------------------------------------
 
@@ -891,7 +932,8 @@ class CommitLog(LogReader):
     size and durability (`sync`) are the same either way.
     """
 
-    def __init__(self, directory, segment_bytes=64 << 20, index_interval_bytes=4096, direct_io=False):
+    def __init__(self, directory, segment_bytes=64 << 20, index_interval_bytes=4096, direct_io=False,
+                 durable_marks=False):
         os.makedirs(directory, exist_ok=True)
         self.segment_bytes = segment_bytes
         self.index_interval = index_interval_bytes
@@ -916,9 +958,12 @@ class CommitLog(LogReader):
         # flushes a rolled segment in the background too). False: not at all (fsync =
         # "never").
         self.sealed_sync = None
+        self._durable_fd = None  # DURABLE_FILE, written after each sync (durable_marks)
+        self._durable_failed = False
         _remove_orphans(str(directory))
         super().__init__(directory)
         self._recover()
+        self._open_durable(durable_marks)
 
     # --- recovery -----------------------------------------------------------
 
@@ -937,6 +982,46 @@ class CommitLog(LogReader):
         rebuilt |= self._recover_active(self.segments[-1])
         if rebuilt:
             _fsync_dir(self.dir)
+
+    def _open_durable(self, on):
+        """Start keeping DURABLE_FILE (after making what recovery found durable), or, off,
+        remove one a run that fsynced left: it would hold readers back for good."""
+        path = os.path.join(self.dir, DURABLE_FILE)
+        if not on:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            return
+        mark = read_durable(self.dir) or 0
+        end = self.end_offset
+        if mark > end:
+            log.error("%s: the log ends at offset %d, below the %d it had on disk: records %d-%d were "
+                      "lost after they were durable (a reader may have read them)",
+                      self.dir, end, mark, end, mark - 1)
+        for seg in self.segments:  # a kill -9 can leave what it wrote unsynced
+            if seg.next_offset > mark and seg.size:
+                fd = os.open(seg.log_path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        self._durable_fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.mark_durable(end)
+
+    def mark_durable(self, offset):
+        """Every record below `offset` is on disk: say so in DURABLE_FILE (from the thread
+        whose sync made it so). A failed write only holds readers back: logged once."""
+        if self._durable_fd is None:
+            return
+        head = offset.to_bytes(8, "little")
+        try:
+            os.pwrite(self._durable_fd, _DURABLE.pack(offset, zlib.crc32(head)), 0)
+        except OSError as e:
+            if not self._durable_failed:
+                self._durable_failed = True
+                log.error("%s: cannot write %s (%s); readers that wait for durable records "
+                          "(the Spark source) see no new ones", self.dir, DURABLE_FILE, e)
 
     def _write_index(self, seg):
         idx, tidx = seg.index_bytes()
@@ -1250,13 +1335,17 @@ class CommitLog(LogReader):
     def sync(self):
         if self._wfd is not None:
             self._write_index_pending()
+            end = self.end_offset
             os.fdatasync(self._wfd)
+            self.mark_durable(end)
 
     def sync_handle(self):
-        """A new descriptor of the active segment, for an fdatasync on another thread
-        (which closes it): it stays valid when the log rolls to the next segment."""
+        """For an fdatasync on another thread: a new descriptor of the active segment (that
+        thread closes it; it stays valid when the log rolls to the next segment) and the
+        offset below which that sync makes the log durable (for `mark_durable` after it;
+        segments rolled away from before must have been synced first)."""
         self._write_index_pending()
-        return os.dup(self._wfd)
+        return os.dup(self._wfd), self.end_offset
 
     def _roll(self, base):
         seg = self.segments[-1]
@@ -1288,6 +1377,9 @@ class CommitLog(LogReader):
         if self._stage is not None:
             self._stage.close()
             self._stage = None
+        if self._durable_fd is not None:
+            os.close(self._durable_fd)
+            self._durable_fd = None
         super().close()
 
     # --- retention -----------------------------------------------------------

@@ -158,7 +158,11 @@ class Store(EpochAppender):
         self.log_dir = os.path.join(self.data_dir, "log", self.node_id)
         # The log exists even with [log] enabled = false: it then holds only the private
         # records that keep messages owed to persistent sessions across restarts.
-        self.log = CommitLog(self.log_dir, lg.segment_bytes, lg.index_interval_bytes, lg.direct_io)
+        # With an fsync mode the log says how far it is durable (log.DURABLE_FILE): the
+        # Spark source reads no further, so a crash of the machine never takes back a
+        # record it read.
+        self.log = CommitLog(self.log_dir, lg.segment_bytes, lg.index_interval_bytes, lg.direct_io,
+                             durable_marks=st.fsync != "never")
         self._reader = None
         sync = {"always": "FULL", "interval": "NORMAL", "never": "OFF"}[st.fsync]
         self.db = StateDB(os.path.join(self.data_dir, "state.db"), sync)
@@ -464,7 +468,8 @@ class Store(EpochAppender):
                     # The syncer takes its own descriptor of the segment: the writer may
                     # roll to the next one (which fsyncs this one) while it syncs.
                     self._sync_busy = True
-                    self._sync_queue.put(self.log.sync_handle())
+                    fd, durable = self.log.sync_handle()
+                    self._sync_queue.put(((fd,), durable))
                     last_sync = now
                     dirty = False
                 self.db.apply(ops)
@@ -502,14 +507,16 @@ class Store(EpochAppender):
         descriptors for the syncer, waiting while 8 are queued (a disk slower than the
         writer would otherwise pile them up, four open descriptors each)."""
         self._sealed_slots.acquire()
-        self._sync_queue.put(fds)
+        self._sync_queue.put((fds, None))
 
     def _sync_loop(self):
         """The syncer thread: fdatasync each descriptor the writer hands over, then close it.
 
         A sync still running when the next interval is due delays that one (the writer
-        asks again when this one reports); they never pile up. A tuple is the log and
-        index descriptors of a segment the log rolled away from and one of the log's
+        asks again when this one reports); they never pile up. Each item is (descriptors,
+        durable end): one of the active segment and the offset below which its sync makes
+        the log durable (then written to the log's durable file), or, with None, the log
+        and index descriptors of a segment the log rolled away from and one of the log's
         directory (CommitLog.sealed_sync): synced in the order handed over, so before any
         later sync of the next segment.
         """
@@ -518,8 +525,8 @@ class Store(EpochAppender):
             item = q.get()
             if item is None:
                 return
-            sealed = type(item) is tuple
-            fds = item if sealed else (item,)
+            fds, durable = item
+            sealed = durable is None
             try:
                 for fd in fds:
                     (os.fsync if sealed else os.fdatasync)(fd)
@@ -527,6 +534,8 @@ class Store(EpochAppender):
                     self.sealed_syncs += 1
                 else:
                     self.syncs += 1
+                    # (Segments rolled away from were handed over first: synced before it.)
+                    self.log.mark_durable(durable)
             except OSError as exc:  # the writer raises it: durability can no longer be promised
                 self._sync_error = exc
             finally:

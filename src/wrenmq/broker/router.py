@@ -867,9 +867,9 @@ class Router:
         filter) pairs chosen to deliver to one member here; `replayed`: sent again from
         the other node's log after its link was down or behind, so only for
         subscriptions made before it was published; `skip`: sessions that have it
-        already (a session that just moved here, given it by its old node). Not recorded in this node's
-        log: the node that accepted it did (a persistent session here that is owed it
-        still gets it written, as `_deliver` does for any unrecorded message).
+        already (one that just moved here, given it by its old node). Not recorded in
+        this node's log: the node that accepted it did (a persistent session here that
+        is owed it still gets it written, as `_deliver` does for any unrecorded message).
         """
         topic = msg.topic
         if sync:

@@ -69,10 +69,12 @@ _MARKS_KEY = "cluster_applied"  # ... in the state database's meta table
 _GROUPS_KEPT = 100_000  # shared-group choices remembered per node, for its replays (GroupsSent)
 # A session handed to another node: for this long its old node passes on (RELAY) what other
 # nodes still send it for the session (they learn where it went a link round trip later),
-# and the new node remembers, for twice as long and up to _SEEN_MAX messages, which
-# messages the session got, so a message that came both ways is delivered once.
+# and the new node remembers, for twice as long, which messages the session got, so a
+# message that came both ways is delivered once: at most _SEEN_MAX messages for all such
+# sessions together, past which the oldest session's memory goes first (later RELAYs
+# for it are dropped).
 _RELAY_FOR = 5.0
-_SEEN_MAX = 100_000
+_SEEN_MAX = 1_000_000
 
 
 class Peer:
@@ -390,6 +392,7 @@ class Cluster:
         self._relays_due = collections.deque()  # (until, client id, filters)
         self._moved_in = {}
         self._moved_due = collections.deque()  # (until, client id)
+        self._seen_total = 0  # messages remembered in _moved_in
         self.relayed = 0  # messages passed on to the node a session moved to
 
     # --- lifecycle -------------------------------------------------------------
@@ -1453,11 +1456,16 @@ class Cluster:
                 if held is not None and held[1] == until:  # (not a later move of the same client)
                     self._relays.remove(f, cid)
         due = self._moved_due
-        while due and due[0][0] < now:
+        while due and (due[0][0] < now or self._seen_total >= _SEEN_MAX):
             until, cid = due.popleft()
             entry = self._moved_in.get(cid)
             if entry is not None and entry[2] == until:
-                del self._moved_in[cid]
+                self._forget_moved(cid)
+
+    def _forget_moved(self, cid):
+        entry = self._moved_in.pop(cid, None)
+        if entry is not None:
+            self._seen_total -= len(entry[1])
 
     def _relay(self, body, origin, topic):
         """A FORWARD (body) from the node whose log is `origin`, taken here: pass it on to
@@ -1489,10 +1497,9 @@ class Cluster:
             seen = entry[1]
             if key in seen:
                 skip = {session} if skip is None else skip | {session}
-            elif len(seen) < _SEEN_MAX:
-                seen.add(key)
             else:
-                del moved[session.client_id]  # past its bound: later RELAYs for it are dropped
+                seen.add(key)
+                self._seen_total += 1
         return skip
 
     def _relayed(self, body, decoder):
@@ -1506,14 +1513,15 @@ class Cluster:
             return
         session, seen, until = entry
         router = self.router
-        if router.sessions.get(cid) is not session or len(seen) >= _SEEN_MAX:
-            del self._moved_in[cid]
+        if router.sessions.get(cid) is not session:
+            self._forget_moved(cid)
             return
         key = (origin, off)
         if key in seen:
             self.duplicates += 1
             return
         seen.add(key)
+        self._seen_total += 1
         router.deliver_to(session, F.message_from(pkt, pcid, ts, router.clock()))
 
     @staticmethod

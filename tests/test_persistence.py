@@ -1046,8 +1046,9 @@ def test_interval_fsyncs_are_counted_and_kill_loses_nothing(durable, pc):
 def test_interval_rolled_segments_are_synced_by_the_syncer_and_kill_loses_nothing(durable, pc):
     """fsync = "interval": a segment the log rolls away from is fsynced by the syncer
     thread (the writer goes on with the next one), every one of them, counted in
-    $SYS/broker/log/sealed_syncs; what was acknowledged, across all the segments, is in
-    the log after a kill -9."""
+    $SYS/broker/log/sealed_syncs; after its syncs the log says it is durable to its end
+    (the file the Spark source reads up to); what was acknowledged, across all the
+    segments, is in the log after a kill -9."""
     b = durable('[storage]\nfsync = "interval"\nfsync_interval_ms = 20\n'
                 '[log]\nsegment_bytes = 4096\n[sys]\ninterval = 0.2\n')
     p = pc(b.port, version=4)
@@ -1056,6 +1057,14 @@ def test_interval_rolled_segments_are_synced_by_the_syncer_and_kill_loses_nothin
     segments = sys_value(pc, b.port, "$SYS/broker/log/segments", lambda v: v >= 5)
     assert sys_value(pc, b.port, "$SYS/broker/log/sealed_syncs", lambda v: v >= segments - 1) \
         == segments - 1
+    reader = LogReader(b.log_dir)
+
+    def durable_to_end():
+        reader.refresh()
+        return reader.end_offset >= 60 and reader.durable_end_offset == reader.end_offset
+
+    assert wait_for(durable_to_end, 5), (reader.durable_mark, reader.end_offset)
+    reader.close()
     b.restart("kill")
     assert [r.payload[:4] for r in b.records() if r.topic == "sr/x"] == [b"%04d" % i for i in range(60)]
 

@@ -1438,6 +1438,7 @@ class Cluster:
         session, queued = build_session(state, pkts, router.clock, since)
         router.adopt_session(session, queued)
         held = router.sessions.get(cid)
+        self._forget_moved(cid)  # (moved here before: that memory is for a session gone since)
         if held is not None and _own_filters(held):
             until = self.loop.time() + 2 * _RELAY_FOR
             self._moved_in[cid] = (held, set(), until)

@@ -1337,7 +1337,8 @@ class CommitLog(LogReader):
             self._write_index_pending()
             end = self.end_offset
             os.fdatasync(self._wfd)
-            self.mark_durable(end)
+            if not self.sealed_sync:  # (else a rolled segment may still wait for the syncer, which marks)
+                self.mark_durable(end)
 
     def sync_handle(self):
         """For an fdatasync on another thread: a new descriptor of the active segment (that

@@ -259,6 +259,8 @@ class Store(EpochAppender):
             self._sync_queue.put(None)
             self._syncer.join()
             self._syncer = None
+            # What was handed to it is synced: the log's last sync (close) may mark all.
+            self.log.sealed_sync = None
         if self.log is not None:
             self.log.close()
         if self._reader is not None:

@@ -410,29 +410,19 @@ def test_session_follows_its_client_to_another_node(cluster, version):
     assert wait_for(lambda: sys_value(lambda: cl.client("b"), "$SYS/broker/cluster/sessions/taken_over") == "1")
 
 
-def test_a_session_moving_away_misses_nothing_published_on_its_old_node(cluster):
-    # A publisher on node a sends QoS 1 messages without pause while the session they
-    # are for moves from a to b (its client reconnects there with clean start 0). The
-    # messages a takes after it handed the session over must follow it to b, not wait
-    # for b's filters to reach a.
+def move_while_publishing(cl, pub, first, cid, props, topic, to):
+    """Publish QoS 1 messages on `topic` through `pub` without pause while the persistent
+    session `cid` (its client `first`, subscribed) reconnects on node `to`. Returns
+    (the numbers sent, those `first` got, those the new client got)."""
     import threading
 
-    cl = cluster()
-    cl.start("a")
-    cl.start("b")
-    links_up(cl, "a", "b")
-    cid, props = uid("mv"), {"SessionExpiryInterval": 300}
-    first = cl.client("a", client_id=cid, clean=False, properties=props)
-    first._reconnect_on_failure = False
-    sub(first, "mv/#", 1)
-    pub = cl.client("a")
     stop = threading.Event()
     sent = []
 
     def publish_on():
         i = 0
         while not stop.is_set():
-            info = pub.publish("mv/x", b"%d" % i, 1)
+            info = pub.publish(topic, b"%d" % i, 1)
             info.wait_for_publish(5)
             sent.append(i)
             i += 1
@@ -442,13 +432,30 @@ def test_a_session_moving_away_misses_nothing_published_on_its_old_node(cluster)
     time.sleep(0.5)
     first.disconnect()
     first.loop_stop()
-    again = cl.client("b", client_id=cid, clean=False, properties=props)
+    again = cl.client(to, client_id=cid, clean=False, properties=props)
     time.sleep(0.5)
     stop.set()
     publisher.join(10)
     assert again.connack[1].session_present is True
-    got = {int(m.payload) for m in list(drain(first, 0.1)) + list(drain(again, 2.0))}
-    missed = sorted(set(sent) - got)
+    before = [int(m.payload) for m in drain(first, 0.1) if m.payload != b"probe"]
+    return sent, before, [int(m.payload) for m in drain(again, 2.0)]
+
+
+def test_a_session_moving_away_misses_nothing_published_on_its_old_node(cluster):
+    # A publisher on node a sends QoS 1 messages without pause while the session they
+    # are for moves from a to b (its client reconnects there with clean start 0). The
+    # messages a takes after it handed the session over must follow it to b, not wait
+    # for b's filters to reach a.
+    cl = cluster()
+    cl.start("a")
+    cl.start("b")
+    links_up(cl, "a", "b")
+    cid, props = uid("mv"), {"SessionExpiryInterval": 300}
+    first = cl.client("a", client_id=cid, clean=False, properties=props)
+    first._reconnect_on_failure = False
+    sub(first, "mv/#", 1)
+    sent, before, after = move_while_publishing(cl, cl.client("a"), first, cid, props, "mv/x", "b")
+    missed = sorted(set(sent) - set(before) - set(after))
     assert len(sent) > 200 and not missed, (len(sent), missed[:20])
 
 
@@ -458,8 +465,6 @@ def test_a_session_moving_away_misses_nothing_other_nodes_send_its_old_node(clus
     # c. What those nodes send a for the session in the moment before they learn it is
     # on b (a link round trip) reaches a after a handed the session over: a must pass it
     # on to b, and b must not deliver twice what also came to it directly.
-    import threading
-
     cl = cluster()
     for name in ("a", "b", "c"):
         cl.start(name, storage=disk(cl, name))
@@ -470,29 +475,7 @@ def test_a_session_moving_away_misses_nothing_other_nodes_send_its_old_node(clus
     sub(first, "mv3/#", 1)
     pub = cl.client(publisher_on)
     await_route(pub, first, "mv3/probe")
-    stop = threading.Event()
-    sent = []
-
-    def publish_on():
-        i = 0
-        while not stop.is_set():
-            info = pub.publish("mv3/x", b"%d" % i, 1)
-            info.wait_for_publish(5)
-            sent.append(i)
-            i += 1
-
-    publisher = threading.Thread(target=publish_on)
-    publisher.start()
-    time.sleep(0.5)
-    first.disconnect()
-    first.loop_stop()
-    again = cl.client("b", client_id=cid, clean=False, properties=props)
-    time.sleep(0.5)
-    stop.set()
-    publisher.join(10)
-    assert again.connack[1].session_present is True
-    before = [int(m.payload) for m in drain(first, 0.1) if m.payload != b"probe"]
-    after = [int(m.payload) for m in drain(again, 2.0)]
+    sent, before, after = move_while_publishing(cl, pub, first, cid, props, "mv3/x", "b")
     missed = sorted(set(sent) - set(before) - set(after))
     assert len(sent) > 200 and not missed, (len(sent), missed[:20])
     # On b, nothing twice: a message both passed on by a and sent to b directly (or

@@ -446,10 +446,7 @@ def test_a_session_moving_away_misses_nothing_published_on_its_old_node(cluster)
     # are for moves from a to b (its client reconnects there with clean start 0). The
     # messages a takes after it handed the session over must follow it to b, not wait
     # for b's filters to reach a.
-    cl = cluster()
-    cl.start("a")
-    cl.start("b")
-    links_up(cl, "a", "b")
+    cl = linked(cluster, "a", "b")
     cid, props = uid("mv"), {"SessionExpiryInterval": 300}
     first = cl.client("a", client_id=cid, clean=False, properties=props)
     first._reconnect_on_failure = False
@@ -900,12 +897,19 @@ def links_up(cl, *names):
                         timeout=10), f"node {name}'s links never came up"
 
 
+def linked(cluster, *names, **kw):
+    """A new cluster (`cluster(**kw)`) with the named nodes started (memory storage) and
+    their links up."""
+    cl = cluster(**kw)
+    for name in names:
+        cl.start(name)
+    links_up(cl, *names)
+    return cl
+
+
 def test_a_new_subscription_gets_what_other_nodes_publish_right_after_its_suback(cluster):
     # No probes here: the SUBACK itself says the other nodes have the filter.
-    cl = cluster()
-    cl.start("a")
-    cl.start("b")
-    links_up(cl, "a", "b")
+    cl = linked(cluster, "a", "b")
     pub = cl.client("a")
     for i in range(20):
         s = cl.client("b")
@@ -925,10 +929,8 @@ def test_a_filter_subscribed_and_dropped_at_once_leaves_no_route_on_other_nodes(
     from conftest import RawClient
     from wrenmq.mqtt.packets import Connect, Subscribe, SubscribeTopic, Unsubscribe
 
-    cl = cluster()
-    a = cl.start("a")
-    cl.start("b")
-    links_up(cl, "a", "b")
+    cl = linked(cluster, "a", "b")
+    a = cl.nodes["a"]
     raw = RawClient(a.port, C.MQTT5)
     raw.send(Connect(uid("churn"), version=C.MQTT5))
     assert raw.recv().TYPE == C.CONNACK
@@ -951,10 +953,7 @@ def test_a_filter_subscribed_again_right_after_its_unsubscribe_misses_nothing(cl
     # UNSUBSCRIBE, then SUBSCRIBE to the same filter at once: etcd's delete of the filter
     # may reach node b after the link told it the filter is back. b must not drop it
     # then: a message b takes after the SUBACK reaches the subscriber on node a.
-    cl = cluster()
-    cl.start("a")
-    cl.start("b")
-    links_up(cl, "a", "b")
+    cl = linked(cluster, "a", "b")
     s = cl.client("a")
     pub = cl.client("b")
     missed = []
@@ -1019,10 +1018,8 @@ def test_a_suback_waits_for_the_other_nodes_route_ack(cluster, etcd):
 
 
 def test_a_suback_waits_at_most_a_second_for_a_stopped_node(cluster):
-    cl = cluster(lease_ttl=30)
-    a = cl.start("a")
-    cl.start("b")
-    links_up(cl, "a", "b")
+    cl = linked(cluster, "a", "b", lease_ttl=30)
+    a = cl.nodes["a"]
     s = cl.client("b")
     a.proc.send_signal(signal.SIGSTOP)
     try:

@@ -511,7 +511,6 @@ class LogReader:
         self.segments = []
         self._lost = _OffsetSet()
         self._noted = set()
-        self.durable_mark = None  # the writer's durable end at the last refresh (read_durable)
         self.refresh()
 
     @property
@@ -523,8 +522,6 @@ class LogReader:
 
     def refresh(self):
         """Pick up new segments and appended data, drop deleted segments."""
-        # (Read before the segments: what it says durable is then in what they show.)
-        self.durable_mark = read_durable(self.dir)
         known = {s.base: s for s in self.segments}
         segments = []
         bases = _list_segments(self.dir)
@@ -611,6 +608,13 @@ class LogReader:
     def end_offset(self):
         """The offset the next record written will get (as far as this reader knows)."""
         return self.segments[-1].next_offset if self.segments else 0
+
+    @property
+    def durable_mark(self):
+        """The durable end the writer says now (read_durable): read when asked, not at
+        each refresh (the broker's own readers never ask). It only grows, so any value
+        read after the last refresh is durable as far as that refresh saw."""
+        return read_durable(self.dir)
 
     @property
     def durable_end_offset(self):

@@ -214,6 +214,27 @@ def test_device_state_latest_per_topic_flattened_and_replay_safe(spark, serve_br
     assert after.equals(before)
 
 
+def test_replay_stops_at_what_the_broker_has_made_durable(serve_broker, tmp_path, clients):
+    # As the source: a replay must not re-publish records that a crash of the machine could
+    # still take back. With an fsync interval of a minute, acknowledged QoS 1 messages are
+    # written, not durable; after a kill -9 and a restart (the broker syncs what it
+    # recovered) they are.
+    from wrenmq.pipeline.replay import ReplayOptions, replay
+
+    b = serve_broker('[storage]\nfsync = "interval"\nfsync_interval_ms = 60000\n')
+    data = str(tmp_path / "data")
+    pub = clients(b.port)
+    for i in range(5):
+        pub.publish(f"m/{i}", b"%d" % i, qos=1).wait_for_publish(5)
+    pub.disconnect()
+    again = lambda: replay(ReplayOptions(data_dir=data, broker=f"127.0.0.1:{b.port}", prefix="r/",  # noqa: E731
+                                         quiet=True))["messages"]
+    assert again() == 0
+    b.kill()
+    b.start()
+    assert again() == 5
+
+
 def test_replay_range_filter_prefix_rate_and_properties(serve_broker, tmp_path, clients):
     from wrenmq.pipeline.replay import ReplayOptions, replay
 

@@ -44,9 +44,10 @@ def checkpoint_offsets(checkpoint):
 
 
 def log_ends(data_dir):
+    """Each partition's durable end: what the source can read (LogReader.durable_end_offset)."""
     readers = Readers(log_root(data_dir))
     try:
-        return {n: r.end_offset for n, r in readers.refresh().items()}
+        return {n: r.durable_end_offset for n, r in readers.refresh().items()}
     finally:
         readers.close()
 

@@ -66,7 +66,7 @@ def plan(o):
     to_ts = parse_time_us(o.to_time)
     for node, d in list_partitions(log_root(o.data_dir)).items():
         r = LogReader(d)
-        start, end = r.start_offset, r.end_offset
+        start, end = r.start_offset, r.durable_end_offset  # (never what a crash can take back)
         f = _per_node(o.from_offset, node)
         if f is not None:
             start = max(start, f)

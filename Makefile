@@ -6,6 +6,7 @@
 #   make bench [ARGS="--repeat 5"]         benchmark suite vs Mosquitto (~20 min)
 #   make bench-quick                       one pass of the main comparison (< 2 min)
 #   make bench-cluster                     one node vs two nodes through etcd (~2 min)
+#   make soak  [ARGS="--minutes 10"]       client churn: does memory settle? (vs Mosquitto, ~10 min)
 #   make fuzz  [EXAMPLES=20000]            the fuzz targets, long
 #   make demo  [ARGS="--devices 50"]       broker + simulated fleet + Spark jobs, for a minute
 #   make clean                             remove .venv, .bench and build caches (not data)
@@ -50,10 +51,10 @@ BUILD_DEBIAN_PKGS := gcc:gcc $(PY_INCLUDE)/Python.h:python3-dev
 COMPILED_SOURCES := setup.py src/wrenmq/mqtt/codec.py src/wrenmq/store/_encode.py \
                     src/wrenmq/store/_encode.pxd src/wrenmq/store/_epoch.py src/wrenmq/store/_epoch.pxd
 
-.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-cluster bench-deps demo fuzz clean
+.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-cluster bench-deps soak demo fuzz clean
 
 help:
-	@sed -n '4,11p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,12p' Makefile | sed 's/^# \{0,1\}//'
 
 # --- virtualenv --------------------------------------------------------------
 
@@ -114,6 +115,10 @@ bench-cluster: bench-deps
 	@$(ENSURE_DEB) etcd:etcd-server
 	$(PIP) install -q -e '.[cluster]'
 	$(PY) -m wrenmq.bench.cluster $(ARGS)
+
+# Minutes of connects, subscriptions, publishes and drops: wrenmq's RSS, then Mosquitto's.
+soak: bench-deps
+	$(PY) -m wrenmq.bench.soak $(ARGS)
 
 # --- fuzz --------------------------------------------------------------------
 

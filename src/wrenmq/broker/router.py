@@ -471,6 +471,7 @@ class Router:
             subs.clear()
             self._matches.clear()
         self._clear_queue(session)
+        session.match_cache = None  # (queued messages may keep the object: `origin`)
         session.resend = ()
         session.inflight.clear()
         session.inflight_bytes = 0

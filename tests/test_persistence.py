@@ -1111,6 +1111,40 @@ def test_queue_overflow_is_read_back_from_the_log(durable, pc, how):
     assert sys_value(pc, b.port, "$SYS/broker/publish/messages/dropped", lambda v: True) == 0
 
 
+def test_an_offline_session_keeps_max_queued_offline_in_memory_and_the_rest_in_the_log(durable, pc):
+    # Devices that come and go each held up to max_queued_messages (10,000) in memory
+    # (make soak). With the log on, an offline session holds max_queued_offline; the
+    # rest waits in the log and reaches the client, in order, when it is back.
+    b = durable('[limits]\nmax_queued_offline = 10\n[sys]\ninterval = 0.2\n')
+    cid = uid("off")
+    s = persistent(pc, b.port, 4, cid)
+    sub(s, "off/#", 1)
+    go_offline(b, s, cid)
+    p = pc(b.port, version=4)
+    publish_many(p, [("off/t", b"%d" % i, 1) for i in range(200)])
+    held = sys_value(pc, b.port, "$SYS/broker/store/messages/count", lambda v: v > 0)
+    assert held == 10
+    s2 = persistent(pc, b.port, 4, cid)
+    assert session_present(s2)
+    assert payloads(get_messages(s2, 200, timeout=10)) == [b"%d" % i for i in range(200)]
+    no_message(s2, 0.3)
+    assert sys_value(pc, b.port, "$SYS/broker/publish/messages/dropped", lambda v: True) == 0
+
+
+def test_max_queued_offline_does_not_apply_without_the_log(durable, pc):
+    # Nothing to read back from in memory mode: the queue keeps max_queued_messages.
+    b = durable('[storage]\nmode = "memory"\n[limits]\nmax_queued_offline = 10\n')
+    cid = uid("offm")
+    s = persistent(pc, b.port, 4, cid)
+    sub(s, "offm/#", 1)
+    go_offline(b, s, cid)
+    p = pc(b.port, version=4)
+    publish_many(p, [("offm/t", b"%d" % i, 1) for i in range(200)])
+    s2 = persistent(pc, b.port, 4, cid)
+    assert session_present(s2)
+    assert payloads(get_messages(s2, 200, timeout=10)) == [b"%d" % i for i in range(200)]
+
+
 def test_queue_overflow_drops_in_memory_mode(durable, pc):
     b = durable('[storage]\nmode = "memory"\n[limits]\nmax_queued_messages = 10\n[sys]\ninterval = 0.2\n')
     cid = uid("ovm")

@@ -14,9 +14,10 @@ collect what their filters match until they expire.
 
 What it prints, every `--every` seconds: the broker's RSS, its open files, the messages
 published and received so far, and what the broker says it holds for sessions (queued or
-in flight: `$SYS/broker/store/messages/count` and `/bytes`, as of its last $SYS update). At the end: RSS at a quarter, half and the end
-of the run, and the growth over the second half (MiB per minute): a broker that holds
-nothing past the churn's steady state grows by about zero there.
+in flight: `$SYS/broker/store/messages/count` and `/bytes`, as of its last $SYS update).
+At the end: RSS at a quarter, half and the end of the run, and the growth over the second
+half (MiB per minute): a broker that holds nothing past the churn's steady state grows by
+about zero there. docs/BENCHMARKS.md (stop 27) has a reading.
 """
 
 import argparse
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 from .brokers import BrokerError, Mosquitto, Wrenmq, which
 from .harness import WRENMQ_PORT, bench_setup
@@ -53,6 +55,7 @@ class Counters:
     def __init__(self):
         self.lock = threading.Lock()
         self.published = self.received = self.visits = self.errors = 0
+        self.first_error = None
 
     def add(self, **kw):
         with self.lock:
@@ -127,8 +130,10 @@ def device(n, port, deadline, counters, rng):
                 c.disconnect()
                 c.loop_stop()
             counters.add(published=len(infos), received=got[0], visits=1)
-        except Exception:  # a broker that failed shows in the errors column
+        except Exception as e:  # a broker that failed shows in the errors column
             counters.add(errors=1)
+            if counters.first_error is None:
+                counters.first_error = f"{cid}: {type(e).__name__}: {e}"
             try:
                 c.loop_stop()
             except Exception:
@@ -195,6 +200,8 @@ def soak(broker, minutes, devices, every, seed):
     finally:
         mon.loop_stop()
         broker.stop()
+    if counters.first_error is not None:
+        print(f"{broker.name}: {counters.errors} visits failed; the first: {counters.first_error}")
     return samples
 
 
@@ -234,7 +241,7 @@ def main(argv=None):
             if not which("mosquitto"):
                 print("soak: mosquitto not found (make bench-deps installs it)", file=sys.stderr)
                 continue
-            b = Mosquitto(which("mosquitto"), __import__("pathlib").Path(here, "mosquitto.conf"), log_dir, root)
+            b = Mosquitto(which("mosquitto"), Path(here, "mosquitto.conf"), log_dir, root)
         else:
             p.error(f"unknown broker {name!r}")
         b.name = f"{name}-soak"

@@ -135,6 +135,9 @@ class Router:
         self.maximum_qos = config.broker.maximum_qos
         self.retain_available = config.broker.retain_available
         self.max_queued = self.limits.max_queued_messages
+        # An offline session's queue in memory, past which the log holds its messages.
+        offline = self.limits.max_queued_offline
+        self.max_queued_offline = min(offline, self.max_queued) if offline else self.max_queued
         self.queue_qos0 = config.broker.queue_qos0_messages
         self.max_levels = self.limits.max_topic_levels
         lim = self.limits
@@ -1169,15 +1172,20 @@ class Router:
 
     def _enqueue(self, session, out):
         size = out.size
-        if len(session.queue) >= self.max_queued or session.queued_bytes + size > self.max_queued_bytes \
-                or self.queued_bytes + size > self.queue_memory:
+        n = len(session.queue)
+        full = n >= self.max_queued or session.queued_bytes + size > self.max_queued_bytes \
+            or self.queued_bytes + size > self.queue_memory
+        if full or (n >= self.max_queued_offline and session.conn is None):
             if out.msg.offset >= 0 and session.stored and out.group is None and out.qos:
-                # The log keeps it: read it back from there once the queue drains.
+                # The log keeps it: read it back from there once the queue drains. (An
+                # offline session holds only max_queued_offline in memory: devices that
+                # come and go would otherwise keep max_queued_messages each; make soak.)
                 if session.resume_from is None:
                     session.resume_from = out.msg.offset
                 return
-            self._dropped(session, out)
-            return
+            if full:
+                self._dropped(session, out)
+                return
         self._queue_push(session, out)
 
     def _dropped(self, session, out):

@@ -1072,10 +1072,9 @@ def test_interval_rolled_segments_are_synced_by_the_syncer_and_kill_loses_nothin
 # --- the offline queue beyond max_queued_messages ----------------------------------------------
 
 
-def _owed_past_the_queue(b, pc, prefix, bodies, how):
-    """A persistent session subscribed to `prefix/#` goes offline; `bodies` are published
-    at QoS 1 (more than its queue holds), the broker restarts `how` (None: not at all)
-    and the session comes back. Returns (its client, the messages it got)."""
+def _owed_while_offline(b, pc, prefix, bodies):
+    """A persistent session subscribed to `prefix/#` goes offline and `bodies` are
+    published at QoS 1; returns its client id."""
     cid = uid(prefix)
     s = persistent(pc, b.port, 4, cid)
     sub(s, f"{prefix}/#", 1)
@@ -1083,6 +1082,14 @@ def _owed_past_the_queue(b, pc, prefix, bodies, how):
     p = pc(b.port, version=4)
     publish_many(p, [(f"{prefix}/{i % 3}", body, 1) for i, body in enumerate(bodies)])
     p.disconnect()
+    return cid
+
+
+def _owed_past_the_queue(b, pc, prefix, bodies, how):
+    """`_owed_while_offline` with more than the session's queue holds; the broker restarts
+    `how` (None: not at all) and the session comes back. Returns (its client, the
+    messages it got)."""
+    cid = _owed_while_offline(b, pc, prefix, bodies)
     if how:
         b.restart(how)
     s2 = persistent(pc, b.port, 4, cid)
@@ -1116,12 +1123,7 @@ def test_an_offline_session_keeps_max_queued_offline_in_memory_and_the_rest_in_t
     # (make soak). With the log on, an offline session holds max_queued_offline; the
     # rest waits in the log and reaches the client, in order, when it is back.
     b = durable('[limits]\nmax_queued_offline = 10\n[sys]\ninterval = 0.2\n')
-    cid = uid("off")
-    s = persistent(pc, b.port, 4, cid)
-    sub(s, "off/#", 1)
-    go_offline(b, s, cid)
-    p = pc(b.port, version=4)
-    publish_many(p, [("off/t", b"%d" % i, 1) for i in range(200)])
+    cid = _owed_while_offline(b, pc, "off", [b"%d" % i for i in range(200)])
     held = sys_value(pc, b.port, "$SYS/broker/store/messages/count", lambda v: v > 0)
     assert held == 10
     s2 = persistent(pc, b.port, 4, cid)
@@ -1134,25 +1136,13 @@ def test_an_offline_session_keeps_max_queued_offline_in_memory_and_the_rest_in_t
 def test_max_queued_offline_does_not_apply_without_the_log(durable, pc):
     # Nothing to read back from in memory mode: the queue keeps max_queued_messages.
     b = durable('[storage]\nmode = "memory"\n[limits]\nmax_queued_offline = 10\n')
-    cid = uid("offm")
-    s = persistent(pc, b.port, 4, cid)
-    sub(s, "offm/#", 1)
-    go_offline(b, s, cid)
-    p = pc(b.port, version=4)
-    publish_many(p, [("offm/t", b"%d" % i, 1) for i in range(200)])
-    s2 = persistent(pc, b.port, 4, cid)
-    assert session_present(s2)
-    assert payloads(get_messages(s2, 200, timeout=10)) == [b"%d" % i for i in range(200)]
+    _, got = _owed_past_the_queue(b, pc, "offm", [b"%d" % i for i in range(200)], None)
+    assert payloads(got) == [b"%d" % i for i in range(200)]
 
 
 def test_queue_overflow_drops_in_memory_mode(durable, pc):
     b = durable('[storage]\nmode = "memory"\n[limits]\nmax_queued_messages = 10\n[sys]\ninterval = 0.2\n')
-    cid = uid("ovm")
-    s = persistent(pc, b.port, 4, cid)
-    sub(s, "ovm/#", 1)
-    go_offline(b, s, cid)
-    p = pc(b.port, version=4)
-    publish_many(p, [("ovm/t", b"%d" % i, 1) for i in range(200)])
+    cid = _owed_while_offline(b, pc, "ovm", [b"%d" % i for i in range(200)])
     s2 = persistent(pc, b.port, 4, cid)
     assert session_present(s2)
     got = get_messages(s2, 200, timeout=1)

@@ -14,10 +14,15 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
-def spark():
-    pytest.importorskip("pyspark", reason="the pipeline extra is not installed")
-    if shutil.which("java") is None:  # make test installs openjdk-17-jre-headless
+def java():
+    """Spark's JVM (make test installs openjdk-17-jre-headless; a skip fails there)."""
+    if shutil.which("java") is None:
         pytest.skip("Spark needs Java 17+")
+
+
+@pytest.fixture(scope="session")
+def spark(java):
+    pytest.importorskip("pyspark", reason="the pipeline extra is not installed")
     from wrenmq.pipeline.spark import session
 
     s = session("local[2]", app_name="wrenmq-tests", conf={"spark.sql.shuffle.partitions": "2"})

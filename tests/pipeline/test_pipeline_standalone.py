@@ -6,9 +6,7 @@ its tasks run in the worker's executor, a JVM and Python workers of their own.
 """
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,15 +15,11 @@ import pytest
 
 pytest.importorskip("pyspark")
 
+from wrenmq.ports import free_port  # noqa: E402
+
 from .pipeline_helpers import lake_offsets, wait_for  # noqa: E402
 
 WRENMQ = str(Path(sys.executable).with_name("wrenmq"))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StandaloneSpark:
@@ -36,7 +30,7 @@ class StandaloneSpark:
 
         home = os.path.dirname(pyspark.__file__)
         self.launcher = os.path.join(home, "bin", "spark-class")
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"spark://127.0.0.1:{self.port}"
         self.work = tmp / "spark-worker"
         self.env = dict(os.environ, SPARK_HOME=home, SPARK_LOCAL_IP="127.0.0.1",
@@ -74,9 +68,7 @@ class StandaloneSpark:
                 p.wait(10)
 
 
-def test_archive_runs_on_a_standalone_cluster_by_its_master_url(serve_broker, clients, tmp_path):
-    if shutil.which("java") is None:  # make test installs openjdk-17-jre-headless
-        pytest.skip("Spark needs Java 17+")
+def test_archive_runs_on_a_standalone_cluster_by_its_master_url(java, serve_broker, clients, tmp_path):
     b = serve_broker()
     pub = clients(b.port)
     for i in range(20):

@@ -17,7 +17,9 @@ published and received so far, and what the broker says it holds for sessions (q
 in flight: `$SYS/broker/store/messages/count` and `/bytes`, as of its last $SYS update).
 At the end: RSS at a quarter, half and the end of the run, and the growth over the second
 half (MiB per minute): a broker that holds nothing past the churn's steady state grows by
-about zero there. docs/BENCHMARKS.md (stop 27) has a reading.
+about zero there. Then `--settle` seconds with no clients (past the sessions' expiry): what
+the broker gives back once what it held is gone. docs/BENCHMARKS.md (stops 27, 28) has
+readings.
 """
 
 import argparse
@@ -166,7 +168,7 @@ def monitor(port, queued):
     return c
 
 
-def soak(broker, minutes, devices, every, seed):
+def soak(broker, minutes, devices, every, seed, settle=0.0):
     broker.start()
     pid = broker.pid
     queued = [None, None]
@@ -184,14 +186,20 @@ def soak(broker, minutes, devices, every, seed):
     print(f"{broker.name}: pid {pid}")
     print(f"{'t (s)':>6} {'RSS MiB':>8} {'files':>6} {'visits':>7} {'published':>10} {'received':>10} "
           f"{'errors':>6} {'queued':>8} {'queued MiB':>10}")
+    quiet_from = None
     try:
-        while any(t.is_alive() for t in threads):
+        while True:
+            if quiet_from is None and not any(t.is_alive() for t in threads):
+                quiet_from = time.monotonic()
+                print(f"churn over; {settle:.0f} s with no clients but the monitor", flush=True)
+            if quiet_from is not None and time.monotonic() - quiet_from >= settle:
+                break
             time.sleep(every)
             if not broker.alive():
                 print(f"{broker.name} exited (log {broker.log_path})")
                 return None
             s = (time.monotonic() - t0, rss_mib(pid), open_files(pid), counters.visits, counters.published,
-                 counters.received, counters.errors, queued[0], queued[1])
+                 counters.received, counters.errors, queued[0], queued[1], quiet_from is not None)
             samples.append(s)
             qn = "?" if s[7] is None else f"{s[7]:d}"
             qb = "?" if s[8] is None else f"{s[8] / 2**20:.1f}"
@@ -206,7 +214,9 @@ def soak(broker, minutes, devices, every, seed):
 
 
 def summary(name, samples):
-    if not samples or len(samples) < 4:
+    quiet = [s for s in samples or () if s[9]]
+    samples = [s for s in samples or () if not s[9]]
+    if len(samples) < 4:
         return f"{name}: too few samples"
     end_t = samples[-1][0]
     at = lambda frac: min(samples, key=lambda s: abs(s[0] - frac * end_t))  # noqa: E731
@@ -219,7 +229,10 @@ def summary(name, samples):
     slope = sum((s[0] - mt) * (s[1] - mr) for s in second) / var * 60
     return (f"{name}: RSS {q[1]:.1f} MiB at {q[0]:.0f} s, {h[1]:.1f} at {h[0]:.0f} s, {e[1]:.1f} at the end "
             f"({e[0]:.0f} s); second half {slope:+.2f} MiB/min; {e[3]} visits, {e[4]} published, "
-            f"{e[5]} received, {e[6]} errors; {'?' if e[7] is None else e[7]} messages held for sessions")
+            f"{e[5]} received, {e[6]} errors; {'?' if e[7] is None else e[7]} messages held for sessions"
+            + ("" if not quiet else
+               f"; {quiet[-1][0] - e[0]:.0f} s after the churn: RSS {quiet[-1][1]:.1f} MiB, "
+               f"{'?' if quiet[-1][7] is None else quiet[-1][7]} held"))
 
 
 def main(argv=None):
@@ -229,6 +242,8 @@ def main(argv=None):
     p.add_argument("--every", type=float, default=10.0, help="seconds between samples")
     p.add_argument("--brokers", default="wrenmq,mosquitto")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--settle", type=float, default=60.0,
+                   help="seconds to keep sampling once the churn is over (the sessions' expiry is 30 s)")
     p.add_argument("--config", help="wrenmq's config file (default: wrenmq-log.toml beside this module)")
     a = p.parse_args(argv)
     root, _mqload, wrenmq, log_dir = bench_setup()
@@ -246,7 +261,7 @@ def main(argv=None):
             p.error(f"unknown broker {name!r}")
         b.name = f"{name}-soak"
         try:
-            out.append((name, soak(b, a.minutes, a.devices, a.every, a.seed)))
+            out.append((name, soak(b, a.minutes, a.devices, a.every, a.seed, a.settle)))
         except BrokerError as e:
             print(f"soak: {e}", file=sys.stderr)
             return 1

@@ -41,7 +41,12 @@ class Message:
         self.offset = -1  # position in the commit log, once appended
         self._topic_b = None
         self._props_v5 = None
-        self._cache = None
+        # Its encodings, shared by the subscribers one routing reaches (`parts`): a dict
+        # while the router routes it (None until the first is made), False otherwise. A
+        # message that waits in queues, or as a retained message, holds no copies of
+        # itself: the soak (docs/BENCHMARKS.md, stop 28) found them 60% of what held
+        # messages cost.
+        self._cache = False
         # While it is being routed: the PUBLISH it came from, whose bytes can be forwarded
         # as they are (cut from the received data only if a subscriber needs them).
         self.packet = None
@@ -76,17 +81,20 @@ class Message:
         """(head, tail) of the PUBLISH for a subscriber, without DUP and packet id.
 
         For QoS > 0 the packet is head + packet id (2 bytes) + tail; the remaining
-        length in head already counts the packet id. Cached when reusable.
+        length in head already counts the packet id. Cached while the router routes the
+        message (`_cache`), when reusable.
         """
-        key = (v5, qos, retain, sub_ids) if self.expiry is None else None
-        if key is not None:
-            cache = self._cache
+        cache = self._cache
+        if cache is not False and self.expiry is None:
+            key = (v5, qos, retain, sub_ids)
             if cache is None:
                 cache = self._cache = {}
             else:
                 hit = cache.get(key)
                 if hit is not None:
                     return hit
+        else:
+            key = None
         tb = self.topic_bytes
         props = self.props_v5(sub_ids, now) if v5 else b""
         n = 2 + len(tb) + (2 if qos else 0) + len(props) + len(self.payload)

@@ -1086,20 +1086,24 @@ class Router:
         origin = msg.origin
         deliver = self._deliver
         logged = msg.offset >= 0
-        for session, qos, rap, ids, no_local in normal:
-            if no_local and session is origin:
-                continue
-            if logged and session.resume_from is not None:
-                continue  # it reads this message from the log when it catches up
-            deliver(session, msg, mqos if mqos < qos else qos, msg.retain and rap, ids)
-        authorize = self.hooks.authorize_deliver
-        for group in groups:
-            sub = group.pick(None, None if authorize is None else
-                             (lambda s: authorize(s, msg) is not False))
-            if sub is not None:
-                deliver(sub.session, msg, mqos if mqos < sub.qos else sub.qos,
-                        msg.retain and sub.retain_as_published,
-                        (sub.sub_id,) if sub.sub_id else (), group)
+        msg._cache = None  # its encodings are shared while this routing lasts (Message.parts)
+        try:
+            for session, qos, rap, ids, no_local in normal:
+                if no_local and session is origin:
+                    continue
+                if logged and session.resume_from is not None:
+                    continue  # it reads this message from the log when it catches up
+                deliver(session, msg, mqos if mqos < qos else qos, msg.retain and rap, ids)
+            authorize = self.hooks.authorize_deliver
+            for group in groups:
+                sub = group.pick(None, None if authorize is None else
+                                 (lambda s: authorize(s, msg) is not False))
+                if sub is not None:
+                    deliver(sub.session, msg, mqos if mqos < sub.qos else sub.qos,
+                            msg.retain and sub.retain_as_published,
+                            (sub.sub_id,) if sub.sub_id else (), group)
+        finally:
+            msg._cache = False
         return True
 
     def _deliver(self, session, msg, qos, retain, sub_ids, group=None, tracked=True):

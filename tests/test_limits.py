@@ -7,6 +7,7 @@ import time
 import pytest
 
 from conftest import RawClient, get_messages, subscribe
+from mqtt_helpers import wait_for
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import encode
 from wrenmq.mqtt.packets import (Connect, Disconnect, Pingreq, Publish, Subscribe, SubscribeTopic,
@@ -144,8 +145,13 @@ def test_max_queued_bytes_bounds_an_offline_queue(make_broker, clients):
 
 
 def test_queue_memory_is_a_global_budget(make_broker, clients):
+    # Three offline sessions owed the same messages: the budget counts each message once
+    # (its 10,000-byte payload and ~400 bytes of objects) and each queue entry (128), so
+    # 60,000 bytes hold five messages for all three, not 60,000 / 3 / 10,000 = two; the
+    # rest are dropped (memory mode) and counted.
     b = make_broker("[limits]\nqueue_memory = 60000\n")
-    for cid in ("q1", "q2", "q3"):
+    cids = ("q1", "q2", "q3")
+    for cid in cids:
         s = raw_connect(b.port, cid, 5, {"session_expiry_interval": 60})
         s.send(Subscribe(1, [SubscribeTopic("g/#", 1)]))
         s.recv()
@@ -153,10 +159,21 @@ def test_queue_memory_is_a_global_budget(make_broker, clients):
         s.closed()
     p = clients(b.port, version=5)
     for i in range(10):
-        p.publish("g/x", b"." * 10_000, qos=1).wait_for_publish(5)
+        p.publish("g/x", b"%d" % i + b"." * 9_999, qos=1).wait_for_publish(5)
     router = b.broker.router
     assert router.queued_bytes <= 60000
-    assert sum(len(router.sessions[c].queue) for c in ("q1", "q2", "q3")) <= 6
+    assert [len(router.sessions[c].queue) for c in cids] == [5, 5, 5]
+    assert router.stats.pub_dropped == 15
+    # What the sessions take back from their queues is let go of in the count.
+    for cid in cids:
+        s = raw_connect(b.port, cid, 5, {"session_expiry_interval": 60}, clean=False)
+        got = [s.recv() for _ in range(5)]
+        assert [g.payload[:1] for g in got] == [b"0", b"1", b"2", b"3", b"4"]
+        for g in got:
+            s.send(Puback(g.packet_id))
+        s.send(Disconnect())
+        s.closed()
+    wait_for(lambda: router.queued_bytes == 0, timeout=5)
 
 
 def test_max_inflight_bytes_holds_back_the_window(make_broker, clients):

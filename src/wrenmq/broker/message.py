@@ -9,6 +9,11 @@ from math import ceil
 
 from ..mqtt.codec import encode_properties, encode_varint
 
+# The objects a held message is made of besides its payload and topic (the Message, its
+# str and bytes headers, its properties dict, its timestamp), in bytes: counted with
+# gc and sys.getsizeof in a broker under `make soak` (docs/BENCHMARKS.md, stop 28).
+MESSAGE_OVERHEAD = 400
+
 # Properties that travel with the message (topic_alias and subscription_identifier
 # belong to one hop and are rebuilt per subscriber).
 _HOP_PROPERTIES = ("topic_alias", "subscription_identifier")
@@ -18,6 +23,7 @@ class Message:
     __slots__ = (
         "topic", "payload", "qos", "retain", "properties", "expiry", "client_id", "origin",
         "raw", "raw_v5", "timestamp", "offset", "_topic_b", "_props_v5", "_cache", "packet",
+        "held",
     )
 
     def __init__(self, topic, payload, qos=0, retain=False, properties=None, expiry=None,
@@ -50,6 +56,14 @@ class Message:
         # While it is being routed: the PUBLISH it came from, whose bytes can be forwarded
         # as they are (cut from the received data only if a subscriber needs them).
         self.packet = None
+        # Queue entries that hold it: the router counts what it costs once, while any does.
+        self.held = 0
+
+    def memory(self):
+        """What holding this message costs the broker in bytes, about: its payload, its
+        topic (as text and as UTF-8) and MESSAGE_OVERHEAD. What `[limits] queue_memory`
+        counts once per queued message, however many queues hold it."""
+        return len(self.payload) + 2 * len(self.topic) + MESSAGE_OVERHEAD
 
     @property
     def topic_bytes(self):

@@ -56,7 +56,8 @@ METRICS = (
     ("$SYS/broker/store/messages/count", "wrenmq_queued_messages", "gauge",
      "Messages queued or in flight for sessions."),
     ("$SYS/broker/store/messages/bytes", "wrenmq_queued_bytes", "gauge",
-     "Payload bytes queued for sessions."),
+     "Memory the sessions' queues take, in bytes: each entry, and each message they hold counted once "
+     "(what [limits] queue_memory bounds)."),
     # The commit log (present with [storage] mode = "disk").
     ("$SYS/broker/log/end_offset", "wrenmq_log_end_offset", "gauge",
      "Offset the next record of the commit log gets."),

@@ -19,7 +19,7 @@ from ..mqtt import constants as C
 from ..mqtt.codec import MQTTError, encode
 from ..mqtt.packets import Connack, Suback, Unsuback
 from .message import Message, message_properties
-from .session import NEVER, Outgoing, Session, Subscription
+from .session import NEVER, QUEUE_ENTRY_COST, Outgoing, Session, Subscription
 from .topics import (RetainedTrie, TopicError, TopicTrie, parse_shared, retained_size, topic_matches,
                      validate_topic_filter)
 
@@ -145,7 +145,9 @@ class Router:
         self.max_queued_bytes = lim.max_queued_bytes or float("inf")
         self.max_inflight_bytes = lim.max_inflight_bytes or float("inf")
         self.queue_memory = lim.queue_memory or float("inf")
-        self.queued_bytes = 0  # across all sessions
+        # What the queues of all sessions cost in memory (what queue_memory bounds): each
+        # entry, and each message they hold once (`_queue_push`).
+        self.queued_bytes = 0
         self.rx_time = time.time()  # wall clock of the packets being handled (arrived())
         self.rx_us = int(self.rx_time * 1_000_000)
         h = [None] * 16
@@ -1161,16 +1163,29 @@ class Router:
             session.queue = deque()
         session.queue.append(out)
         session.queued_bytes += out.size
-        self.queued_bytes += out.size
+        msg = out.msg
+        if msg.held:
+            self.queued_bytes += QUEUE_ENTRY_COST
+        else:
+            self.queued_bytes += QUEUE_ENTRY_COST + msg.memory()
+        msg.held += 1
 
     def _queue_pop(self, session):
         out = session.queue.popleft()
         session.queued_bytes -= out.size
-        self.queued_bytes -= out.size
+        self._let_go(out.msg)
         return out
 
+    def _let_go(self, msg):
+        msg.held -= 1
+        if msg.held:
+            self.queued_bytes -= QUEUE_ENTRY_COST
+        else:
+            self.queued_bytes -= QUEUE_ENTRY_COST + msg.memory()
+
     def _clear_queue(self, session):
-        self.queued_bytes -= session.queued_bytes
+        for out in session.queue:
+            self._let_go(out.msg)
         session.queued_bytes = 0
         session.queue = ()
 
@@ -1178,7 +1193,7 @@ class Router:
         size = out.size
         n = len(session.queue)
         full = n >= self.max_queued or session.queued_bytes + size > self.max_queued_bytes \
-            or self.queued_bytes + size > self.queue_memory
+            or self.queued_bytes + QUEUE_ENTRY_COST + (0 if out.msg.held else out.msg.memory()) > self.queue_memory
         if full or (n >= self.max_queued_offline and session.conn is None):
             if out.msg.offset >= 0 and session.stored and out.group is None and out.qos:
                 # The log keeps it: read it back from there once the queue drains. (An

@@ -36,6 +36,11 @@ class Subscription:
         return f"$share/{self.group}/{self.filter}" if self.group else self.filter
 
 
+# A queue entry's own cost in bytes (the Outgoing and its slot in the deque), what
+# `[limits] queue_memory` counts per entry besides the message it holds (Message.memory).
+QUEUE_ENTRY_COST = 128
+
+
 class Outgoing:
     """A QoS 1/2 message sent (or about to be sent) to the session's client."""
 
@@ -55,7 +60,9 @@ class Outgoing:
         # Delivered in log order by a subscription of this session (not retained-on-subscribe,
         # not shared): the session's log cursor must not pass it until it is acknowledged.
         self.tracked = tracked and group is None
-        # What it costs to hold (payload and topic; the message itself is shared).
+        # What it counts against its session's bounds (`max_queued_bytes`,
+        # `max_inflight_bytes`): payload and topic, as if the message were its own. The
+        # broker-wide `queue_memory` counts a shared message once (Router._queue_push).
         self.size = len(msg.payload) + len(msg.topic) + 64
         # May have reached the client before a restart: send it with DUP set.
         self.maybe_sent = False

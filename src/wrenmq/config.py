@@ -138,8 +138,8 @@ class LimitsSection:
                                    "0 = no limit.", 0)
     queue_memory: int = _key(1073741824, "Memory the queues of all sessions may take, in bytes: each "
                              "queued message counted once however many queues hold it (payload, "
-                             "topic and about 400 bytes of objects), and about 128 bytes per queue "
-                             "entry. Beyond it new messages for queues are dropped (and counted) "
+                             "topic and about 400 bytes of objects, 700 with MQTT 5 properties), and 128 "
+                             "bytes per queue entry. Beyond it new messages for queues are dropped (and counted) "
                              "unless the commit log holds them. 0 = no limit.", 0)
     max_queued_offline: int = _key(1000, "With the commit log on (storage mode \"disk\"): QoS 1/2 "
                                    "messages an offline persistent session keeps in memory; the "

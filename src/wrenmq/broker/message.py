@@ -13,6 +13,9 @@ from ..mqtt.codec import encode_properties, encode_varint
 # str and bytes headers, its properties dict, its timestamp), in bytes: counted with
 # gc and sys.getsizeof in a broker under `make soak` (docs/BENCHMARKS.md, stop 28).
 MESSAGE_OVERHEAD = 400
+# What MQTT 5 properties add (a larger dict, their values, their encoding once sent), for
+# the short user properties and expiry of `make soak`'s messages.
+PROPERTIES_OVERHEAD = 300
 
 # Properties that travel with the message (topic_alias and subscription_identifier
 # belong to one hop and are rebuilt per subscriber).
@@ -61,9 +64,11 @@ class Message:
 
     def memory(self):
         """What holding this message costs the broker in bytes, about: its payload, its
-        topic (as text and as UTF-8) and MESSAGE_OVERHEAD. What `[limits] queue_memory`
-        counts once per queued message, however many queues hold it."""
-        return len(self.payload) + 2 * len(self.topic) + MESSAGE_OVERHEAD
+        topic (as text and as UTF-8), MESSAGE_OVERHEAD, and PROPERTIES_OVERHEAD if it has
+        properties. What `[limits] queue_memory` counts once per queued message, however
+        many queues hold it."""
+        n = len(self.payload) + 2 * len(self.topic) + MESSAGE_OVERHEAD
+        return n + PROPERTIES_OVERHEAD if self.properties else n
 
     @property
     def topic_bytes(self):

@@ -98,7 +98,9 @@ class LimitsSection:
     receive_maximum: int = _key(1024, "In-flight QoS 1/2 PUBLISHes a 5.0 client may send unacknowledged.", 1, 65535)
     max_inflight: int = _key(1024, "In-flight QoS 1/2 messages the broker sends to one client.", 1, 65535)
     max_queued_messages: int = _key(10000, "Messages queued per session beyond the in-flight window; "
-                                    "further messages are dropped and counted.", 0, 10_000_000)
+                                    "further messages are dropped and counted, unless the commit log "
+                                    "holds them. The retained messages a SUBSCRIBE matches are not "
+                                    "held to it (queue_memory bounds them).", 0, 10_000_000)
     max_connections: int = _key(100000, "Simultaneous client connections, counted from their accept (TLS and "
                                          "WebSocket handshakes included); 0 = no limit.", 0)
     topic_alias_maximum: int = _key(64, "Topic aliases a 5.0 client may use towards the broker.", 0, 65535)
@@ -122,7 +124,8 @@ class LimitsSection:
     connection_rate: float = _key(0.0, "New connections per second accepted on each listener (bursts "
                                   "of one second allowed); beyond it they are closed at once. 0 = no limit.", 0)
     max_queued_bytes: int = _key(67108864, "Bytes of messages queued for one session (offline or "
-                                 "behind its window); beyond it like max_queued_messages. 0 = no limit.", 0)
+                                 "behind its window); beyond it like max_queued_messages, and like it "
+                                 "not applied to the retained messages a SUBSCRIBE matches. 0 = no limit.", 0)
     max_inflight_bytes: int = _key(16777216, "Bytes of unacknowledged QoS 1/2 messages sent to one "
                                    "client; further messages wait in its queue. 0 = no limit.", 0)
     max_sessions: int = _key(1000000, "Sessions held, connected or not; past it a CONNECT that would "

@@ -1191,6 +1191,18 @@ class Router:
 
     def _enqueue(self, session, out):
         size = out.size
+        if not out.tracked and out.group is None:
+            # A retained message the session's SUBSCRIBE asked for: the retained store
+            # bounds those, so only queue_memory applies. Per-session bounds would drop
+            # them for a subscriber with a small window (what Mosquitto users meet as
+            # #2887), and the log cannot hand them back: their records predate the
+            # subscription.
+            msg = out.msg
+            if self.queued_bytes + QUEUE_ENTRY_COST + (0 if msg.held else msg.memory()) > self.queue_memory:
+                self._dropped(session, out)
+            else:
+                self._queue_push(session, out)
+            return
         n = len(session.queue)
         full = n >= self.max_queued or session.queued_bytes + size > self.max_queued_bytes \
             or self.queued_bytes + QUEUE_ENTRY_COST + (0 if out.msg.held else out.msg.memory()) > self.queue_memory

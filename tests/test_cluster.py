@@ -481,6 +481,28 @@ def test_a_session_moving_away_misses_nothing_other_nodes_send_its_old_node(clus
     assert not twice, twice[:20]
 
 
+def test_a_session_moving_away_takes_what_its_old_node_kept_for_it_in_the_log(cluster):
+    # Offline past max_queued_offline, a session's later messages wait in its node's
+    # commit log, not in memory. Its client comes back on another node, which cannot
+    # read that log: the old node reads them out and hands them over with the rest.
+    cl = cluster()
+    for name in ("a", "b"):
+        cl.start(name, storage=disk(cl, name) + "\n[limits]\nmax_queued_offline = 5")
+    links_up(cl, "a", "b")
+    cid, props = uid("far"), {"SessionExpiryInterval": 300}
+    first = cl.client("a", client_id=cid, clean=False, properties=props)
+    first._reconnect_on_failure = False
+    sub(first, "far/#", 1)
+    first.disconnect()
+    first.loop_stop()
+    pub = cl.client("a")
+    for i in range(40):
+        publish(pub, f"far/{i % 3}", b"%d" % i, 1)
+    again = cl.client("b", client_id=cid, clean=False, properties=props)
+    assert again.connack[1].session_present is True
+    assert [m.payload for m in drain(again, 2.0)] == [b"%d" % i for i in range(40)]
+
+
 def test_session_taken_over_is_stored_on_its_new_node(cluster):
     cl = cluster()
     cl.start("a")

@@ -1133,6 +1133,35 @@ def test_an_offline_session_keeps_max_queued_offline_in_memory_and_the_rest_in_t
     assert sys_value(pc, b.port, "$SYS/broker/publish/messages/dropped", lambda v: True) == 0
 
 
+@pytest.mark.parametrize("how", [None, "kill"])
+def test_a_session_that_leaves_while_behind_keeps_max_queued_offline_in_memory(durable, pc, how):
+    # A client that stops acknowledging and then leaves kept its whole queue in memory
+    # (up to max_queued_messages). Now it keeps max_queued_offline, as a session offline
+    # all along does; the rest is read back from the log, in order, when it is back.
+    b = durable('[limits]\nmax_queued_offline = 10\n[sys]\ninterval = 0.2\n')
+    cid = uid("behind")
+    s = RawClient(b.port, 5)
+    s.send(Connect(cid, 5, True, 60, properties={"session_expiry_interval": 300, "receive_maximum": 2}))
+    assert s.recv().reason_code == 0
+    s.send(Subscribe(1, [SubscribeTopic("behind/#", 1)]))
+    assert s.recv().TYPE == C.SUBACK
+    bodies = [b"%d" % i for i in range(200)]
+    p = pc(b.port, version=4)
+    publish_many(p, [(f"behind/{i % 3}", body, 1) for i, body in enumerate(bodies)])
+    p.disconnect()
+    # Its window's two went out, unacknowledged; 198 wait in its queue while it is online.
+    assert sys_value(pc, b.port, "$SYS/broker/store/messages/count", lambda v: v == 200) == 200
+    s.sock.close()
+    assert sys_value(pc, b.port, "$SYS/broker/store/messages/count", lambda v: v < 200) == 2 + 10
+    if how:
+        b.restart(how)
+    s2 = persistent(pc, b.port, 5, cid, expiry=300)
+    assert session_present(s2)
+    assert payloads(get_messages(s2, 200, timeout=10)) == bodies
+    no_message(s2, 0.3)
+    assert sys_value(pc, b.port, "$SYS/broker/publish/messages/dropped", lambda v: True) == 0
+
+
 def test_max_queued_offline_does_not_apply_without_the_log(durable, pc):
     # Nothing to read back from in memory mode: the queue keeps max_queued_messages.
     b = durable('[storage]\nmode = "memory"\n[limits]\nmax_queued_offline = 10\n')

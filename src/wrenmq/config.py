@@ -145,7 +145,8 @@ class LimitsSection:
                              "bytes per queue entry. Beyond it new messages for queues are dropped (and counted) "
                              "unless the commit log holds them. 0 = no limit.", 0)
     max_queued_offline: int = _key(1000, "With the commit log on (storage mode \"disk\"): QoS 1/2 "
-                                   "messages an offline persistent session keeps in memory; the "
+                                   "messages an offline persistent session keeps in memory (one whose "
+                                   "client left while behind lets go of the newest of a longer queue); the "
                                    "later ones stay in the log, and the session reads them from there "
                                    "when its client is back (none is dropped). At most "
                                    "max_queued_messages. 0 = max_queued_messages.", 0, 10_000_000)

@@ -430,6 +430,8 @@ class Router:
             self.end_session(session)
             return
         if self.persist is not None:
+            if len(session.queue) > self.max_queued_offline:
+                self._trim_offline_queue(session)
             self.persist.session_offline(session)
         if will is not None:
             delay = min(session.will_delay, session.expiry_interval)
@@ -1218,6 +1220,35 @@ class Router:
                 self._dropped(session, out)
                 return
         self._queue_push(session, out)
+
+    def _trim_offline_queue(self, session):
+        """A session whose client left while behind keeps max_queued_offline messages in
+        memory, as one that was offline all along does (`_enqueue`): the newest of its
+        queue, from the first past that bound, are let go and read back from the log
+        when it returns (`catch_up`). Only a tail the log gives back as it was: logged
+        QoS 1/2 messages its own subscriptions routed, in log order (not shared, not
+        retained-on-subscribe); and not while QoS 0 messages are queued for offline
+        sessions, which the catch-up would then deliver a second time."""
+        if self.queue_qos0 or not session.stored:
+            return
+        queue = session.queue
+        keep = self.max_queued_offline
+        cut = len(queue)
+        while cut > keep:
+            out = queue[cut - 1]
+            if not (out.tracked and out.qos and out.msg.offset >= 0):
+                break
+            cut -= 1
+        if cut == len(queue):
+            return
+        first = queue[cut].msg.offset
+        while len(queue) > cut:
+            out = queue.pop()
+            session.queued_bytes -= out.size
+            self._let_go(out.msg)
+        if session.resume_from is None or first < session.resume_from:
+            session.resume_from = first
+        self.dirty.add(session)
 
     def _dropped(self, session, out):
         session.dropped += 1

@@ -38,6 +38,12 @@ _CATCH_UP = 3
 _CLEARS_KEPT = 100_000  # retained clears remembered (cluster), the oldest forgotten first
 
 
+def _entry_cost(msg):
+    """What one more queue entry holding `msg` adds to Router.queued_bytes: the entry, and
+    the message itself if no queue holds it yet (Message.held)."""
+    return QUEUE_ENTRY_COST if msg.held else QUEUE_ENTRY_COST + msg.memory()
+
+
 class Stats:
     """Counters behind $SYS; plain attributes so the hot path can bump them cheaply."""
 
@@ -1166,10 +1172,7 @@ class Router:
         session.queue.append(out)
         session.queued_bytes += out.size
         msg = out.msg
-        if msg.held:
-            self.queued_bytes += QUEUE_ENTRY_COST
-        else:
-            self.queued_bytes += QUEUE_ENTRY_COST + msg.memory()
+        self.queued_bytes += _entry_cost(msg)
         msg.held += 1
 
     def _queue_pop(self, session):
@@ -1199,15 +1202,14 @@ class Router:
             # them for a subscriber with a small window (what Mosquitto users meet as
             # #2887), and the log cannot hand them back: their records predate the
             # subscription.
-            msg = out.msg
-            if self.queued_bytes + QUEUE_ENTRY_COST + (0 if msg.held else msg.memory()) > self.queue_memory:
+            if self.queued_bytes + _entry_cost(out.msg) > self.queue_memory:
                 self._dropped(session, out)
             else:
                 self._queue_push(session, out)
             return
         n = len(session.queue)
         full = n >= self.max_queued or session.queued_bytes + size > self.max_queued_bytes \
-            or self.queued_bytes + QUEUE_ENTRY_COST + (0 if out.msg.held else out.msg.memory()) > self.queue_memory
+            or self.queued_bytes + _entry_cost(out.msg) > self.queue_memory
         if full or (n >= self.max_queued_offline and session.conn is None):
             if out.msg.offset >= 0 and session.stored and out.group is None and out.qos:
                 # The log keeps it: read it back from there once the queue drains. (An

@@ -173,7 +173,7 @@ def test_queue_memory_is_a_global_budget(make_broker, clients):
             s.send(Puback(g.packet_id))
         s.send(Disconnect())
         s.closed()
-    wait_for(lambda: router.queued_bytes == 0, timeout=5)
+    assert wait_for(lambda: router.queued_bytes == 0, timeout=5), router.queued_bytes
 
 
 @pytest.mark.parametrize("storage", ["memory", "log"])

@@ -6,7 +6,7 @@
 #   make bench [ARGS="--repeat 5"]         benchmark suite vs Mosquitto (~20 min)
 #   make bench-quick                       one pass of the main comparison (< 2 min)
 #   make bench-cluster                     one node vs two nodes through etcd (~2 min)
-#   make soak  [ARGS="--minutes 10"]       client churn: does memory settle? (vs Mosquitto, ~10 min)
+#   make soak  [ARGS="--minutes 10"]       client churn: does memory settle? (vs Mosquitto, ~13 min)
 #   make fuzz  [EXAMPLES=20000]            the fuzz targets, long
 #   make demo  [ARGS="--devices 50"]       broker + simulated fleet + Spark jobs, for a minute
 #   make clean                             remove .venv, .bench and build caches (not data)

@@ -38,6 +38,13 @@ _CATCH_UP = 3
 _CLEARS_KEPT = 100_000  # retained clears remembered (cluster), the oldest forgotten first
 
 
+def _from_the_log(out):
+    """Whether `catch_up` gives the queued `out` back as it was, in log order: a logged
+    QoS 1/2 message the session's own subscriptions routed (not shared, not retained on
+    subscribe)."""
+    return out.tracked and out.qos and out.msg.offset >= 0
+
+
 def _entry_cost(msg):
     """What one more queue entry holding `msg` adds to Router.queued_bytes: the entry, and
     the message itself if no queue holds it yet (Message.held)."""
@@ -1195,7 +1202,6 @@ class Router:
         session.queue = ()
 
     def _enqueue(self, session, out):
-        size = out.size
         if not out.tracked and out.group is None:
             # A retained message the session's SUBSCRIBE asked for: the retained store
             # bounds those, so only queue_memory applies. Per-session bounds would drop
@@ -1208,10 +1214,10 @@ class Router:
                 self._queue_push(session, out)
             return
         n = len(session.queue)
-        full = n >= self.max_queued or session.queued_bytes + size > self.max_queued_bytes \
+        full = n >= self.max_queued or session.queued_bytes + out.size > self.max_queued_bytes \
             or self.queued_bytes + _entry_cost(out.msg) > self.queue_memory
         if full or (n >= self.max_queued_offline and session.conn is None):
-            if out.msg.offset >= 0 and session.stored and out.group is None and out.qos:
+            if session.stored and _from_the_log(out):
                 # The log keeps it: read it back from there once the queue drains. (An
                 # offline session holds only max_queued_offline in memory: devices that
                 # come and go would otherwise keep max_queued_messages each; make soak.)
@@ -1227,10 +1233,10 @@ class Router:
         """A session whose client left while behind keeps max_queued_offline messages in
         memory, as one that was offline all along does (`_enqueue`): the newest of its
         queue, from the first past that bound, are let go and read back from the log
-        when it returns (`catch_up`). Only a tail the log gives back as it was: logged
-        QoS 1/2 messages its own subscriptions routed, in log order (not shared, not
-        retained-on-subscribe); and not while QoS 0 messages are queued for offline
-        sessions, which the catch-up would then deliver a second time."""
+        when it returns (`catch_up`). Only a tail the log gives back as it was
+        (`_from_the_log`), and not while QoS 0 messages are queued for offline sessions,
+        which the catch-up would then deliver a second time. The cursor it saves next
+        (`session_offline`) does not move: what it lets go is newer than what it keeps."""
         if self.queue_qos0 or not session.stored:
             return
         queue = session.queue
@@ -1238,7 +1244,7 @@ class Router:
         cut = len(queue)
         while cut > keep:
             out = queue[cut - 1]
-            if not (out.tracked and out.qos and out.msg.offset >= 0):
+            if not _from_the_log(out):
                 break
             cut -= 1
         if cut == len(queue):
@@ -1250,7 +1256,6 @@ class Router:
             self._let_go(out.msg)
         if session.resume_from is None or first < session.resume_from:
             session.resume_from = first
-        self.dirty.add(session)
 
     def _dropped(self, session, out):
         session.dropped += 1

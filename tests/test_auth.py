@@ -451,6 +451,31 @@ def test_reload_passwords_with_sighup(serve_broker, tmp_path, pwfile):
     assert not pid_file.exists()
 
 
+def test_a_second_broker_does_not_take_a_running_brokers_pid_file(serve_broker, tmp_path):
+    pid_file = tmp_path / "wrenmq.pid"
+    cfg = f'[broker]\npid_file = "{pid_file}"\n[storage]\nmode = "memory"\n'
+    first = serve_broker(cfg)
+    assert pid_file.read_text().strip() == str(first.proc.pid)
+    # Started by mistake with the same configuration: it stops before it listens.
+    port = free_port()
+    second = run(WRENMQ, "serve", "--config", str(tmp_path / f"wrenmq-{first.port}.toml"),
+                 "--port", str(port), timeout=30)
+    assert second.returncode == 1
+    assert f"cannot write pid file {pid_file}: it names wrenmq process {first.proc.pid}" in second.stderr
+    assert pid_file.read_text().strip() == str(first.proc.pid)
+    assert first.stop() == 0 and not pid_file.exists()
+    # A file left behind by a process that is gone (or is not wrenmq) is taken over.
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        pid_file.write_text(f"{sleeper.pid}\n")
+        again = serve_broker(cfg)
+        assert pid_file.read_text().strip() == str(again.proc.pid)
+        assert again.stop() == 0 and not pid_file.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 def test_reload_command_errors(tmp_path):
     r = run(WRENMQ, "reload")
     assert r.returncode == 2 and "--pid" in r.stderr

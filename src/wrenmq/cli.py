@@ -69,21 +69,24 @@ async def _run(cfg):
         loop.add_signal_handler(sig, stop.set)
     if hasattr(signal, "SIGHUP"):
         loop.add_signal_handler(signal.SIGHUP, broker.hooks.reload)
+    from .auth.commands import remove_pid_file, write_pid_file
     from .cluster import ClusterError
-    try:
-        await broker.start()
-    except (OSError, ClusterError) as e:
-        log.error("cannot start: %s", e)
-        return 1
+    # The pid file before the listeners open, for the same reason: whoever sees the port
+    # answer (and signals the broker through the file, as `wrenmq reload` does) finds it.
     pid_file = cfg.broker.pid_file
     if pid_file:
-        from .auth.commands import write_pid_file
         try:
             write_pid_file(pid_file)
         except OSError as e:
             log.error("cannot write pid file %s: %s", pid_file, e)
-            await broker.stop()
             return 1
+    try:
+        await broker.start()
+    except (OSError, ClusterError) as e:
+        log.error("cannot start: %s", e)
+        if pid_file:
+            remove_pid_file(pid_file)
+        return 1
     waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(broker.serve_forever())}
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for w in waiters:
@@ -91,7 +94,6 @@ async def _run(cfg):
     log.info("shutting down")
     await broker.stop()
     if pid_file:
-        from .auth.commands import remove_pid_file
         remove_pid_file(pid_file)
     return 1 if broker.failed is not None else 0
 

@@ -86,8 +86,10 @@ class BrokerSection:
     shared_subscriptions: bool = _key(True, "Whether $share/<group>/<filter> is allowed.")
     subscription_identifiers: bool = _key(True, "Whether MQTT 5 subscription identifiers are allowed.")
     queue_qos0_messages: bool = _key(False, "Queue QoS 0 messages for offline persistent sessions.")
-    pid_file: str = _key("", "`wrenmq serve` writes its process id here (and removes it on exit); "
-                         "`wrenmq reload --config` signals that process. Empty = no pid file.")
+    pid_file: str = _key("", "`wrenmq serve` writes its process id here before its listeners open "
+                         "(and removes it on exit); it does not start if the file names a wrenmq "
+                         "that is running. `wrenmq reload --config` signals that process. "
+                         "Empty = no pid file.")
 
 
 @dataclass

@@ -133,6 +133,16 @@ def add_reload_parser(sub):
 
 
 def write_pid_file(path):
+    """Write our process id to `path`; refuse (FileExistsError) if it names a wrenmq that
+    is still running: a second broker started by mistake must not take the first one's
+    file, or `wrenmq reload` and service managers would signal the wrong process."""
+    try:
+        with open(path) as fh:
+            other = int(fh.read().strip())
+    except (OSError, ValueError):
+        other = 0
+    if other > 0 and other != os.getpid() and _is_running(other) and _is_wrenmq(other):
+        raise FileExistsError(f"it names wrenmq process {other}, which is running")
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as fh:
         fh.write(f"{os.getpid()}\n")
@@ -148,6 +158,16 @@ def remove_pid_file(path):
         os.unlink(path)
     except OSError:
         pass
+
+
+def _is_running(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it runs, as another user
+        return True
+    return True
 
 
 def _is_wrenmq(pid):

@@ -382,7 +382,9 @@ class Cluster:
         # Node name -> Peer.resume_from of a node that left: if it comes back not knowing
         # where it got to (it restarted), what its subscribers missed since is replayed.
         self._left = {}
-        self._removals = collections.deque()  # (when, group, filter, seq) for the links, oldest first
+        # (when, group, filter, seq, etcd too) for the links (and etcd), oldest first
+        self._removals = collections.deque()
+        self._moving_out = ()  # the filters of a session being handed over (_session_asked)
         self._removals_timer = None
         # Sessions that just changed node, each until _RELAY_FOR (old node) or twice that
         # (new node) has passed, in deques in that order. On the old node: the sessions'
@@ -748,19 +750,27 @@ class Cluster:
         change = self.local.remove(group, flt, online)
         if change is not None:
             seq = self._next_seq()
-            self._pending[route_key(self.prefix, self.node, group, flt)] = \
-                None if change == "delete" else route_value(self.local.value(group, flt), seq)
-            self._kick()
+            key = route_key(self.prefix, self.node, group, flt)
             if change != "delete":
+                self._pending[key] = route_value(self.local.value(group, flt), seq)
+                self._kick()
                 self._route_to_links(group, flt, False, False, seq)
                 return
             # The removal goes to the links a second later, and only if the filter is still
             # gone then: etcd tells the other nodes first, as it always has. A session
             # that moves to another node drops its filters here while that node adds
             # them: its ROUTEs must reach the others before this removal does, or what
-            # they publish in between goes nowhere. What the links still need is a filter
-            # added and removed before etcd was written, which etcd never tells.
-            self._removals.append((self.loop.time() + _REMOVAL_DELAY, group, flt, seq))
+            # they publish in between goes nowhere. So such a filter leaves etcd a second
+            # later too: a node that saw etcd's delete before the new node's ROUTE would
+            # take (and acknowledge) messages for the session and send them nowhere, while
+            # a node that still sends them here has them passed on (RELAY). What the links
+            # still need is a filter added and removed before etcd was written, which
+            # etcd never tells.
+            later = group is None and flt in self._moving_out
+            if not later:
+                self._pending[key] = None
+                self._kick()
+            self._removals.append((self.loop.time() + _REMOVAL_DELAY, group, flt, seq, later))
             if self._removals_timer is None:
                 self._removals_timer = self.loop.call_later(_REMOVAL_DELAY, self._removals_due)
 
@@ -769,8 +779,11 @@ class Cluster:
         removals = self._removals
         now = self.loop.time()
         while removals and removals[0][0] <= now:
-            _, group, flt, seq = removals.popleft()
+            _, group, flt, seq, etcd_too = removals.popleft()
             if (group, flt) not in self.local.counts:
+                if etcd_too:
+                    self._pending[route_key(self.prefix, self.node, group, flt)] = None
+                    self._kick()
                 self._route_to_links(group, flt, False, True, seq)
         if removals:
             self._removals_timer = self.loop.call_later(removals[0][0] - now, self._removals_due)
@@ -1416,7 +1429,11 @@ class Cluster:
             for f in filters:
                 self._relays.insert(f, cid, (requester, until))
             self._relays_due.append((until, cid, filters))
-        router.end_session(session, publish_will=False)
+        self._moving_out = frozenset(filters)  # (they leave etcd with the links' removal: unsubscribed)
+        try:
+            router.end_session(session, publish_will=False)
+        finally:
+            self._moving_out = ()
         self.handed_over += 1
         self._send_control(peer, F.encode_session(state, pubs))
 

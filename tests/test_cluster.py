@@ -580,6 +580,37 @@ def test_a_session_moving_away_misses_nothing_from_a_node_that_hears_of_the_move
         slow_links.close()
 
 
+@pytest.mark.parametrize("late", [False, True])
+def test_a_shared_subscriber_moving_away_misses_nothing_from_a_third_node(cluster, late):
+    # The same move, for the one member of a shared group, with the publisher on c
+    # (`late`: b heard 0.4 s late, as above). What c sends a for the group in the moment
+    # before it learns the member is on b must reach the member on b.
+    cl = cluster()
+    cl.start("a", storage=disk(cl, "a"))
+    host, port = cl.etcd.endpoint.rsplit(":", 1)
+    link = free_port()
+    slows = [SlowLink(int(port), 0.4), SlowLink(link, 0.4)] if late else []
+    try:
+        cl.start("b", storage=disk(cl, "b"), **({"etcd": [f"{host}:{slows[0].port}"]} if late else {}))
+        c = ServedBroker(cl.tmp, cl.config("c", link, storage=disk(cl, "c"),
+                                           **({"advertise": f"{host}:{slows[1].port}"} if late else {})))
+        c.link_port = link
+        cl.nodes["c"] = c
+        links_up(cl, "a", "b", "c")
+        cid, props = uid("mvg"), {"SessionExpiryInterval": 300}
+        first = cl.client("a", client_id=cid, clean=False, properties=props)
+        first._reconnect_on_failure = False
+        sub(first, "$share/g/mvg/#", 1)
+        pub = cl.client("c")
+        await_route(pub, first, "mvg/probe")
+        sent, before, after = move_while_publishing(cl, pub, first, cid, props, "mvg/x", "b", hold=2.0)
+        missed = sorted(set(sent) - set(before) - set(after))
+        assert len(sent) > 200 and not missed, (len(sent), len(missed), missed[:20])
+    finally:
+        for s in slows:
+            s.close()
+
+
 def test_a_session_moving_away_takes_what_its_old_node_kept_for_it_in_the_log(cluster):
     # Offline past max_queued_offline, a session's later messages wait in its node's
     # commit log, not in memory. Its client comes back on another node, which cannot
@@ -1548,6 +1579,10 @@ def test_forward_frames_round_trip(case):
     assert got[:4] == (flags, cid, ts, groups) and got[5] == offset
     assert (got[4].topic, bytes(got[4].payload), got[4].qos, got[4].retain) == (pkt.topic, pkt.payload, pkt.qos, pkt.retain)
     assert (got[4].properties or {}) == pkt.properties
+    # The same message for other groups, as an old node passes it on (_relay_groups).
+    again = F.decode_forward(F.regroup_forward(body, 0, [("k", "s/+")]))
+    assert again[:4] == (0, cid, ts, [("k", "s/+")]) and again[5] == offset
+    assert (again[4].topic, bytes(again[4].payload), again[4].qos) == (pkt.topic, pkt.payload, pkt.qos)
 
 
 def test_hello_resume_round_trip_and_bad_frames():

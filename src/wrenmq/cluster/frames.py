@@ -11,7 +11,8 @@ the message as an MQTT 5 PUBLISH, so properties, QoS, retain and the remaining
 expiry use the codec every client connection already uses. ROUTE tells the
 receiver of a filter new on the sender, which answers ROUTE_ACK once it has it
 (and of one the sender no longer has, or whose group's last connected member left).
-RELAY passes a FORWARD on to the node a session moved to, for that session only.
+RELAY passes a FORWARD on to the node a session moved to, for that session only (or,
+without TO_SUBSCRIBERS, for the shared groups it names, whose member the session was).
 """
 
 import json
@@ -34,6 +35,7 @@ MARK = 8  # the receiver has the sender's log up to JSON {"offset"} (with disk s
 #          second: what the sender keeps for replays up to there may go (node.GroupsSent)
 RELAY = 9  # a FORWARD this node took for a session it has just handed to the receiver, passed on
 #           for that session only: u16 n | client id | u16 n | the origin's log id | FORWARD body
+#           (flags without TO_SUBSCRIBERS: for the groups it names, which lost their member here)
 
 # FORWARD flags: what the receiving node does with the message.
 TO_SUBSCRIBERS = 1  # deliver to its (non-shared) subscribers that match
@@ -151,6 +153,21 @@ def encode_forward(publish, flags, client_id, timestamp, groups=(), offset=-1):
     n = sum(map(len, parts)) + 1
     parts[0] = _FRAME.pack(n, FORWARD)
     return b"".join(parts)
+
+
+def regroup_forward(body, flags, groups):
+    """The FORWARD body `body` (checked by `decode_forward`) with other flags and shared
+    groups: the same message, client, time and offset."""
+    offset, _, ts, n = _FORWARD.unpack_from(body, 0)
+    pos = _FORWARD.size
+    cid = bytes(body[pos:pos + n]).decode()
+    pos += n
+    (count,) = _U16.unpack_from(body, pos)
+    pos += 2
+    for _ in range(count):
+        (m,) = _U16.unpack_from(body, pos)
+        pos += 2 + m
+    return encode_forward(bytes(body[pos:]), flags, cid, ts, groups, offset)[_FRAME.size:]
 
 
 def forward_decoder():

@@ -160,6 +160,12 @@ def _own_filters(session):
                  if sub.group is None and sub.filter[:4] != "$SYS")
 
 
+def _shared_filters(session):
+    """The (share name, filter) of the shared groups a session is a member of."""
+    return tuple((sub.group, sub.filter) for sub in session.subscriptions.values()
+                 if sub.group is not None)
+
+
 class _OutLink(asyncio.Protocol):
     """This node's frames to one peer; the peer answers the HELLO with RESUME, each
     ROUTE with ROUTE_ACK, and says once a second how far it got (MARK)."""
@@ -384,14 +390,16 @@ class Cluster:
         self._left = {}
         # (when, group, filter, seq, etcd too) for the links (and etcd), oldest first
         self._removals = collections.deque()
-        self._moving_out = ()  # the filters of a session being handed over (_session_asked)
+        self._moving_out = ()  # (group, filter) of a session being handed over (_session_asked)
         self._removals_timer = None
         # Sessions that just changed node, each until _RELAY_FOR (old node) or twice that
         # (new node) has passed, in deques in that order. On the old node: the sessions'
-        # filters -> {client id: (the new node, until when)}; on the new one: client id
-        # -> (session, {(log id, offset) it got}, until when).
+        # filters -> {client id: (the new node, until when)}, and the same for its shared
+        # groups by (share name, filter); on the new one: client id -> (session, {(log
+        # id, offset) it got}, until when).
         self._relays = TopicTrie()
-        self._relays_due = collections.deque()  # (until, client id, filters)
+        self._group_relays = {}
+        self._relays_due = collections.deque()  # (until, client id, filters, groups)
         self._moved_in = {}
         self._moved_due = collections.deque()  # (until, client id)
         self._seen_total = 0  # messages remembered in _moved_in
@@ -766,7 +774,7 @@ class Cluster:
             # a node that still sends them here has them passed on (RELAY). What the links
             # still need is a filter added and removed before etcd was written, which
             # etcd never tells.
-            later = group is None and flt in self._moving_out
+            later = (group, flt) in self._moving_out
             if not later:
                 self._pending[key] = None
                 self._kick()
@@ -1351,6 +1359,8 @@ class Cluster:
                 skip = self._got(mark[0], off, router.matching(pkt.topic))
             if self._relays_due:
                 self._relay(body, mark[0], pkt.topic)
+        if groups and off >= 0 and self._group_relays:
+            self._relay_groups(body, mark[0], pkt.topic, groups)
         router.receive_forwarded(msg, flags & F.TO_SUBSCRIBERS, flags & F.SET_RETAINED, flags & F.SYNC,
                                  frozenset(groups) if groups else (), flags & F.REPLAYED, skip)
         msg.packet = None
@@ -1423,13 +1433,17 @@ class Cluster:
         # is passed on to that node (RELAY), which keeps the session from getting a
         # message twice.
         filters = _own_filters(session)
+        groups = _shared_filters(session)
         self._expire_moves()
-        if filters:
+        if filters or groups:
             until = self.loop.time() + _RELAY_FOR
             for f in filters:
                 self._relays.insert(f, cid, (requester, until))
-            self._relays_due.append((until, cid, filters))
-        self._moving_out = frozenset(filters)  # (they leave etcd with the links' removal: unsubscribed)
+            for key in groups:
+                self._group_relays.setdefault(key, {})[cid] = (requester, until)
+            self._relays_due.append((until, cid, filters, groups))
+        # (they leave etcd with the links' removal: unsubscribed)
+        self._moving_out = frozenset([(None, f) for f in filters] + list(groups))
         try:
             router.end_session(session, publish_will=False)
         finally:
@@ -1456,7 +1470,7 @@ class Cluster:
         router.adopt_session(session, queued)
         held = router.sessions.get(cid)
         self._forget_moved(cid)  # (moved here before: that memory is for a session gone since)
-        if held is not None and _own_filters(held):
+        if held is not None and (_own_filters(held) or _shared_filters(held)):
             until = self.loop.time() + 2 * _RELAY_FOR
             self._moved_in[cid] = (held, set(), until)
             self._moved_due.append((until, cid))
@@ -1468,11 +1482,17 @@ class Cluster:
         now = self.loop.time()
         due = self._relays_due
         while due and due[0][0] < now:
-            until, cid, filters = due.popleft()
+            until, cid, filters, groups = due.popleft()
             for f in filters:
                 held = self._relays.get(f, cid)
                 if held is not None and held[1] == until:  # (not a later move of the same client)
                     self._relays.remove(f, cid)
+            for key in groups:
+                by_cid = self._group_relays.get(key)
+                if by_cid is not None and by_cid.get(cid, (None, None))[1] == until:
+                    del by_cid[cid]
+                    if not by_cid:
+                        del self._group_relays[key]
         due = self._moved_due
         while due and (due[0][0] < now or self._seen_total >= _SEEN_MAX):
             until, cid = due.popleft()
@@ -1499,6 +1519,25 @@ class Cluster:
                 self._send(peer, F.encode_relay(cid, origin, body))
                 self.relayed += 1
 
+    def _relay_groups(self, body, origin, topic, groups):
+        """A FORWARD taken here for shared `groups`: those with no member here any more,
+        whose member was a session that just left, go on to that session's new node (one
+        RELAY per node, naming them), where the group has that member now."""
+        self._expire_moves()
+        here = {(g.name, g.filter) for g in self.router.matching(topic)[1] if g.members}
+        to = {}
+        for key in groups:
+            by_cid = self._group_relays.get(key)
+            if key in here or not by_cid:
+                continue
+            cid, (node, _) = next(iter(by_cid.items()))
+            to.setdefault((cid, node), []).append(key)
+        for (cid, node), keys in to.items():
+            peer = self.peers.get(node)
+            if peer is not None:
+                self._send(peer, F.encode_relay(cid, origin, F.regroup_forward(body, 0, keys)))
+                self.relayed += 1
+
     def _got(self, origin, off, hit):
         """Offset `off` of the log `origin` is being delivered here to the sessions of
         `hit` (the router's match): note it for each that just came here; return those
@@ -1522,7 +1561,8 @@ class Cluster:
 
     def _relayed(self, body, decoder):
         """A RELAY from a session's old node: deliver its message to that session only,
-        unless the session had it already."""
+        unless the session had it already; or, one for shared groups (`_relay_groups`),
+        to those groups here, where the session is a member now."""
         cid, origin, inner = F.decode_relay(body)
         flags, pcid, ts, groups, pkt, off = F.decode_forward(inner, decoder)
         self._expire_moves()
@@ -1534,13 +1574,18 @@ class Cluster:
         if router.sessions.get(cid) is not session:
             self._forget_moved(cid)
             return
-        key = (origin, off)
+        shared = not flags & F.TO_SUBSCRIBERS  # (_relay_groups: for the groups it names)
+        key = (origin, off, "shared") if shared else (origin, off)
         if key in seen:
             self.duplicates += 1
             return
         seen.add(key)
         self._seen_total += 1
-        router.deliver_to(session, F.message_from(pkt, pcid, ts, router.clock()))
+        msg = F.message_from(pkt, pcid, ts, router.clock())
+        if shared:
+            router.receive_forwarded(msg, 0, 0, 0, frozenset(groups))
+        else:
+            router.deliver_to(session, msg)
 
     @staticmethod
     def _linked(peer):

@@ -1522,7 +1522,7 @@ class Cluster:
     def _relay_groups(self, body, origin, topic, groups):
         """A FORWARD taken here for shared `groups`: those with no member here any more,
         whose member was a session that just left, go on to that session's new node (one
-        RELAY per node, naming them), where the group has that member now."""
+        RELAY per such session, naming its groups), where the group has that member now."""
         self._expire_moves()
         here = {(g.name, g.filter) for g in self.router.matching(topic)[1] if g.members}
         to = {}

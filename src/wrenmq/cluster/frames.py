@@ -158,16 +158,27 @@ def encode_forward(publish, flags, client_id, timestamp, groups=(), offset=-1):
 def regroup_forward(body, flags, groups):
     """The FORWARD body `body` (checked by `decode_forward`) with other flags and shared
     groups: the same message, client, time and offset."""
-    offset, _, ts, n = _FORWARD.unpack_from(body, 0)
+    offset, _, ts, cid, _, pos = _forward_head(body)
+    return encode_forward(bytes(body[pos:]), flags, cid, ts, groups, offset)[_FRAME.size:]
+
+
+def _forward_head(body):
+    """(offset, flags, timestamp, client id, groups, where the PUBLISH starts) of a
+    FORWARD body; struct.error or UnicodeDecodeError if it is malformed."""
+    offset, flags, ts, n = _FORWARD.unpack_from(body, 0)
     pos = _FORWARD.size
     cid = bytes(body[pos:pos + n]).decode()
     pos += n
     (count,) = _U16.unpack_from(body, pos)
     pos += 2
+    groups = []
     for _ in range(count):
-        (m,) = _U16.unpack_from(body, pos)
-        pos += 2 + m
-    return encode_forward(bytes(body[pos:]), flags, cid, ts, groups, offset)[_FRAME.size:]
+        (n,) = _U16.unpack_from(body, pos)
+        pos += 2
+        name, _, flt = bytes(body[pos:pos + n]).decode().partition("\x00")
+        groups.append((name, flt))
+        pos += n
+    return offset, flags, ts, cid, groups, pos
 
 
 def forward_decoder():
@@ -178,19 +189,7 @@ def forward_decoder():
 def decode_forward(body, decoder=None):
     """(flags, client id, timestamp, groups, Publish, offset) of a FORWARD body."""
     try:
-        offset, flags, ts, n = _FORWARD.unpack_from(body, 0)
-        pos = _FORWARD.size
-        cid = bytes(body[pos:pos + n]).decode()
-        pos += n
-        (count,) = _U16.unpack_from(body, pos)
-        pos += 2
-        groups = []
-        for _ in range(count):
-            (n,) = _U16.unpack_from(body, pos)
-            pos += 2
-            name, _, flt = bytes(body[pos:pos + n]).decode().partition("\x00")
-            groups.append((name, flt))
-            pos += n
+        offset, flags, ts, cid, groups, pos = _forward_head(body)
         if decoder is None:
             pkt = decode(body[pos:], C.MQTT5)
         else:

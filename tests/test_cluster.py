@@ -27,31 +27,43 @@ ETCDCTL = shutil.which("etcdctl")
 
 
 class Etcd:
-    """A single-member etcd server on free loopback ports."""
+    """A single-member etcd server on free loopback ports.
 
-    def __init__(self, tmp):
+    `tls`: (server cert, server key, CA file, client cert, client key) paths: clients then
+    reach it over TLS only, with a certificate that CA signed (--client-cert-auth)."""
+
+    def __init__(self, tmp, tls=None):
         self.port = free_port()
         self.peer = free_port()
         self.dir = tmp
         self.endpoint = f"127.0.0.1:{self.port}"
+        self.tls = tls
         self.log = open(tmp / "etcd.log", "ab")
         self.proc = None
         self.start()
 
     def start(self):
         assert ETCD, "etcd is not installed (make test installs Debian's etcd-server)"
+        url = f"{'https' if self.tls else 'http'}://{self.endpoint}"
+        extra = []
+        if self.tls:
+            cert, key, ca = self.tls[:3]
+            extra = ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
         self.proc = subprocess.Popen(
             [ETCD, "--data-dir", str(self.dir / "data"), "--name", "t",
-             "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
+             "--listen-client-urls", url, "--advertise-client-urls", url,
              "--listen-peer-urls", f"http://127.0.0.1:{self.peer}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer}",
-             "--initial-cluster", f"t=http://127.0.0.1:{self.peer}"],
+             "--initial-cluster", f"t=http://127.0.0.1:{self.peer}", *extra],
             stdout=self.log, stderr=subprocess.STDOUT)
         ok = wait_for(lambda: self.ctl("endpoint", "health", check=False).returncode == 0, timeout=20, interval=0.1)
         assert ok, "etcd did not become healthy"
 
     def ctl(self, *args, check=True):
-        return subprocess.run([ETCDCTL, "--endpoints", self.endpoint, *args], capture_output=True, text=True,
+        tls = []
+        if self.tls:
+            tls = ["--cacert", self.tls[2], "--cert", self.tls[3], "--key", self.tls[4]]
+        return subprocess.run([ETCDCTL, "--endpoints", self.endpoint, *tls, *args], capture_output=True, text=True,
                               check=check, env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"})
 
     def keys(self, prefix):
@@ -921,6 +933,72 @@ def test_links_over_mutual_tls(cluster, tmp_path):
     log_a = cl.nodes["a"].log
     assert "link to node c" not in log_a and "link from node c" not in log_a
     assert wait_for(lambda: "cannot connect to node c" in cl.nodes["a"].log and "CERTIFICATE_VERIFY_FAILED" in cl.nodes["a"].log)
+
+
+def test_nodes_join_through_etcd_over_tls_with_client_certificates(tmp_path):
+    """An etcd that takes TLS clients only, with a certificate its CA signed: nodes with
+    [cluster] etcd_tls and such a certificate form one broker through it; `wrenmq cluster
+    status` reads it the same way; a node whose certificate another CA signed, or that
+    talks plain gRPC, does not start, and says why."""
+    import trustme
+
+    ca, other = trustme.CA(), trustme.CA()
+    d = tmp_path / "pki"
+    d.mkdir()
+
+    def write(name, *blobs):
+        (d / name).write_bytes(b"".join(b.bytes() for b in blobs))
+        return str(d / name)
+
+    server = ca.issue_cert("127.0.0.1")
+    node_cert = ca.issue_cert("wrenmq-node")
+    rogue = other.issue_cert("wrenmq-node")
+    ca_file = write("ca.pem", ca.cert_pem)
+    node = {"etcd_tls": True, "etcd_cafile": ca_file,
+            "etcd_certfile": write("node.crt", *node_cert.cert_chain_pems),
+            "etcd_keyfile": write("node.key", node_cert.private_key_pem)}
+    etcd = Etcd(tmp_path, tls=(write("etcd.crt", *server.cert_chain_pems), write("etcd.key", server.private_key_pem),
+                               ca_file, node["etcd_certfile"], node["etcd_keyfile"]))
+    cl = Cluster(tmp_path, etcd, **node)
+    try:
+        cl.start("a")
+        # The key in the certificate's file, as [[listener]] certfile takes it too.
+        cl.start("b", etcd_certfile=write("node.pem", node_cert.private_key_and_cert_chain_pem), etcd_keyfile="")
+        s = cl.client("a")
+        sub(s, "et/#", 1)
+        pub = cl.client("b")
+        await_route(pub, s, "et/1")
+        publish(pub, "et/2", b"through tls etcd", 1)
+        assert [m.payload for m in drain(s, 1.0)] == [b"through tls etcd"]
+        assert sorted(k.rsplit("/", 1)[-1] for k in etcd.keys(f"/wrenmq/{cl.name}/nodes/")) == ["a", "b"]
+        cfg = tmp_path / "status.toml"
+        cfg.write_text(cl.config("x", 0))
+        r = subprocess.run([WRENMQ, "cluster", "status", "--config", str(cfg), "--json"], capture_output=True,
+                           text=True, timeout=30)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert sorted(json.loads(r.stdout)["nodes"]) == ["a", "b"]
+
+        def refused(name, **over):
+            cfg = tmp_path / f"{name}.toml"
+            cfg.write_text(cl.config(name, free_port(), etcd_timeout=2.0, **over))
+            r = subprocess.run([WRENMQ, "serve", "--config", str(cfg), "--port", str(free_port())],
+                               capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            return r.returncode, r.stdout + r.stderr
+
+        code, out = refused("rogue", etcd_certfile=write("rogue.pem", rogue.private_key_and_cert_chain_pem),
+                            etcd_keyfile="")
+        assert code != 0 and f"cannot reach etcd at {etcd.endpoint}" in out, out
+        plain = {k: "" for k in node} | {"etcd_tls": False}
+        code, out = refused("plain", **plain)
+        assert code != 0 and f"cannot reach etcd at {etcd.endpoint}" in out, out
+        # Neither joined: the cluster is still a and b, and a still gets b's messages.
+        assert sorted(k.rsplit("/", 1)[-1] for k in etcd.keys(f"/wrenmq/{cl.name}/nodes/")) == ["a", "b"]
+        publish(pub, "et/3", b"still", 1)
+        assert [m.payload for m in drain(s, 1.0)] == [b"still"]
+    finally:
+        cl.close()
+        etcd.stop()
+        etcd.log.close()
 
 
 def test_tls_link_handshakes_count_against_the_link_bound(cluster, tmp_path):

@@ -206,6 +206,12 @@ ERRORS = [
     ("cluster-cert-without-tls", '[cluster]\ncafile = "ca.pem"\n', "cluster.cafile", "only used with tls = true"),
     ("cluster-tls-missing-file", '[cluster]\ntls = true\ncertfile = "/nonexistent.pem"\ncafile = "/nonexistent.pem"\n',
      "cluster.certfile", "file not found"),
+    ("cluster-etcd-ca-without-tls", '[cluster]\netcd_cafile = "ca.pem"\n', "cluster.etcd_cafile",
+     "only used with etcd_tls = true"),
+    ("cluster-etcd-tls-missing-file", '[cluster]\netcd_tls = true\netcd_cafile = "/nonexistent.pem"\n',
+     "cluster.etcd_cafile", "file not found"),
+    ("cluster-etcd-key-without-cert", '[cluster]\netcd_tls = true\netcd_keyfile = "/etc/hostname"\n',
+     "cluster.etcd_keyfile", "needs etcd_certfile"),
 ]
 
 

@@ -224,6 +224,14 @@ class ClusterSection:
     etcd_username: str = _key("", "etcd user, when etcd has authentication on (the user needs read and "
                               "write on /wrenmq/<name>/ and leases).")
     etcd_password: str = _key("", "That user's password.")
+    etcd_tls: bool = _key(False, "Talk to etcd over TLS (etcd started with --cert-file; its "
+                          "certificate must name the host of each etcd endpoint).")
+    etcd_cafile: str = _key("", "etcd_tls: PEM CA certificate(s) that sign etcd's certificate; empty = "
+                            "the CAs gRPC trusts by default.")
+    etcd_certfile: str = _key("", "etcd_tls: this node's PEM client certificate (chain), for an etcd "
+                              "started with --client-cert-auth.")
+    etcd_keyfile: str = _key("", "etcd_tls: the private key of etcd_certfile; empty if etcd_certfile "
+                             "holds the key too.")
     etcd_timeout: float = _key(5.0, "Seconds an etcd request may take before the node counts etcd "
                                "as unreachable.", 0.1, 300)
     lease_ttl: int = _key(10, "Seconds a node that stops answering stays in the cluster (its etcd "
@@ -403,6 +411,17 @@ def _validate_cluster(src, c):
         host, _, port = ep.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             fail("etcd" if ep in c.etcd else "advertise", f"expected host:port, got {ep!r}")
+    if c.etcd_tls:
+        for key in ("etcd_cafile", "etcd_certfile", "etcd_keyfile"):
+            value = getattr(c, key)
+            if value and not os.path.isfile(value):
+                fail(key, f"file not found: {value}")
+        if c.etcd_keyfile and not c.etcd_certfile:
+            fail("etcd_keyfile", "needs etcd_certfile")
+    else:
+        for key in ("etcd_cafile", "etcd_certfile", "etcd_keyfile"):
+            if getattr(c, key):
+                fail(key, "only used with etcd_tls = true (is etcd_tls missing?)")
     if c.tls:
         for key in ("certfile", "cafile"):
             if not getattr(c, key):

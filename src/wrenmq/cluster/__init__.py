@@ -3,6 +3,7 @@
 - `interest.py`: who wants what (sans-IO): this node's filters, counted, and the
   other nodes' filters in a trie;
 - `frames.py`: the node-to-node link's format (sans-IO);
+- `etcd.py`: the etcd client (aetcd's, with a TLS channel when asked);
 - `node.py`: the I/O edge: the etcd lease, keys and watch, the links, and what the
   router calls (`route`, `subscribed`, `client_connected`, ...).
 """
@@ -13,12 +14,14 @@ class ClusterError(RuntimeError):
 
 
 def etcd_client(cfg, endpoint):
-    """An (unconnected) aetcd client for `endpoint` ("host:port") of a [cluster] section."""
+    """An (unconnected) etcd client for `endpoint` ("host:port") of a [cluster] section
+    (over TLS with etcd_tls)."""
     try:
-        import aetcd
+        from . import etcd
     except ImportError:
         raise ClusterError("[cluster] needs the etcd client: pip install 'wrenmq[cluster]'") from None
     host, _, port = endpoint.rpartition(":")
-    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=cfg.etcd_timeout,
-                        connect_wait_timeout=max(1, int(cfg.etcd_timeout)),
-                        username=cfg.etcd_username or None, password=cfg.etcd_password or None)
+    try:
+        return etcd.client(cfg, host or "127.0.0.1", int(port))
+    except etcd.EtcdTLSError as e:
+        raise ClusterError(str(e)) from None

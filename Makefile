@@ -141,6 +141,6 @@ demo: $(VENV)/.stamp-pipeline
 # --- clean -------------------------------------------------------------------
 
 clean:
-	rm -rf $(VENV) .bench build dist .pytest_cache .hypothesis src/*.egg-info src/wrenmq/store/_encode.c
+	rm -rf $(VENV) .bench build dist .pytest_cache .hypothesis src/*.egg-info src/wrenmq/store/_encode.c src/wrenmq/store/_epoch.c src/wrenmq/mqtt/codec.c
 	find src tests -name __pycache__ -type d -prune -exec rm -rf {} + 2>/dev/null || true
 	find src -name "*.so" -delete

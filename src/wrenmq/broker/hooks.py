@@ -3,7 +3,8 @@
 Subclass `Hook` and override only what you need; the broker calls a method
 only if at least one registered hook overrides it, so unused hooks cost
 nothing on the publish path. Every method receives the client: its `Session`,
-or a `ClientInfo` before the session exists (both have `client_id`,
+or a `ClientInfo` before the session exists (`on_publish`: None for the broker's own
+messages) (both have `client_id`,
 `username`, `address`, `version`, `listener`; do not modify them).
 
 Answers: `authenticate` and the `authorize_*` methods return True (allow),
@@ -69,7 +70,11 @@ class Hook:
         return None
 
     def on_publish(self, client, message):
-        """Transform an accepted message: return it (possibly changed), or None to drop it."""
+        """Transform an accepted message: return it (possibly changed), or None to drop it.
+
+        Called once per message, on the node that accepted it: for clients' PUBLISHes
+        and wills (`client`: the publisher's session), and for the broker's own
+        messages, its `$SYS` topics and `Broker.publish` (`client` is None then)."""
         return message
 
     def on_connect(self, client):

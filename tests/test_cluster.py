@@ -988,6 +988,7 @@ def test_nodes_join_through_etcd_over_tls_with_client_certificates(tmp_path):
         code, out = refused("rogue", etcd_certfile=write("rogue.pem", rogue.private_key_and_cert_chain_pem),
                             etcd_keyfile="")
         assert code != 0 and f"cannot reach etcd at {etcd.endpoint}" in out, out
+        assert "etcd ended the TLS handshake" in out, out  # (what gRPC's own error leaves unsaid)
         plain = {k: "" for k in node} | {"etcd_tls": False}
         code, out = refused("plain", **plain)
         assert code != 0 and f"cannot reach etcd at {etcd.endpoint}" in out, out

@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -168,6 +169,9 @@ def build_parser():
 
 
 def main(argv=None):
+    # gRPC (the etcd client) would print lines of its own for a failure that the cluster
+    # code reports in its log anyway; GRPC_VERBOSITY set by the user still wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

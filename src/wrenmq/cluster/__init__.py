@@ -25,3 +25,16 @@ def etcd_client(cfg, endpoint):
         return etcd.client(cfg, host or "127.0.0.1", int(port))
     except etcd.EtcdTLSError as e:
         raise ClusterError(str(e)) from None
+
+
+def etcd_failure(cfg, exc):
+    """What to say of `exc`, the last failure to reach etcd; with etcd_tls, what a failed
+    TLS handshake usually means (gRPC names only the TLS library's error)."""
+    text = str(exc) or type(exc).__name__
+    if cfg.etcd_tls and any(w in text for w in ("TSI_", "SSL", "andshake")):
+        if "CERTIFICATE_VERIFY_FAILED" in text:
+            text += " (etcd's certificate: is it signed by etcd_cafile, and does it name the endpoint's host?)"
+        else:
+            text += (" (etcd ended the TLS handshake: an etcd with --client-cert-auth needs etcd_certfile, "
+                     "signed by its --trusted-ca-file)")
+    return text

@@ -44,7 +44,7 @@ import ssl
 import time
 import uuid
 
-from . import ClusterError, etcd_client
+from . import ClusterError, etcd_client, etcd_failure
 from . import frames as F
 from .handover import build_session, session_state
 from ..broker.topics import TopicTrie
@@ -438,7 +438,8 @@ class Cluster:
                     await client.close()
         if self.etcd is None:
             self.server.close()
-            raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)} ([cluster] etcd): {last}")
+            raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)} ([cluster] etcd): "
+                               f"{etcd_failure(cfg, last)}")
         try:
             await self._register()
         except BaseException as e:

@@ -7,7 +7,7 @@ ones apart) and how many clients' last connection is there.
 import asyncio
 import json
 
-from . import ClusterError, etcd_client
+from . import ClusterError, etcd_client, etcd_failure
 from .interest import CLIENTS, NODES, ROUTES, parse_route_key
 
 
@@ -25,7 +25,7 @@ async def read_status(cfg):
         finally:
             await client.close()
     else:
-        raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)}: {last}")
+        raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)}: {etcd_failure(cfg, last)}")
     nodes = {}
 
     def node(name):

@@ -1518,6 +1518,63 @@ def test_a_node_does_not_take_back_a_retained_message_it_saw_cleared(cluster, re
     assert {m.topic: m.payload for m in drain(c, 1.0)} == {"rc/u": b"u1"}
 
 
+def test_a_node_remembers_its_last_clears_only_and_forgets_the_oldest_on_disk_too(cluster):
+    """A node keeps the time of the last _CLEARS_KEPT retained clears (rows without a
+    payload in its state database), not one per topic ever cleared: the oldest go, from
+    memory and from the database, and a restart keeps the newest. A client can clear
+    any number of topics; what the node holds for it stays bounded."""
+    import sqlite3
+
+    from conftest import RawClient
+    from wrenmq.broker.router import _CLEARS_KEPT
+    from wrenmq.mqtt.packets import Connect
+
+    extra = 10
+    cl = cluster()
+    a = cl.start("a", storage=disk(cl, "a"))
+    raw = RawClient(a.port)
+    raw.send(Connect(client_id=uid("clears"), clean_start=True, keepalive=60))
+    assert raw.recv().TYPE == 2  # CONNACK
+    n = _CLEARS_KEPT + extra
+    chunk = []
+    for i in range(n):
+        chunk.append(encode(Publish(f"cp/{i}", b"", 0, True), C.MQTT311))
+        if len(chunk) == 5000 or i == n - 1:
+            raw.send(b"".join(chunk))
+            chunk = []
+    # QoS 1 on the same connection: its PUBACK leaves once everything before it is written.
+    raw.send(Publish("cp/last", b"kept", 1, True, packet_id=7))
+    assert raw.recv(timeout=60).TYPE == 4  # PUBACK
+    raw.sock.close()
+
+    def clear_rows():
+        db = sqlite3.connect(f"file:{cl.tmp / 'data-a' / 'state.db'}?mode=ro", uri=True)
+        try:
+            return {t for (t,) in db.execute("SELECT topic FROM retained WHERE length(payload) = 0")}
+        finally:
+            db.close()
+
+    assert a.stop() == 0
+    rows = clear_rows()
+    assert len(rows) == _CLEARS_KEPT
+    assert not rows & {f"cp/{i}" for i in range(extra)}  # the oldest, forgotten
+    assert {f"cp/{extra}", f"cp/{n - 1}"} <= rows
+    # Restarted, it remembers those (a newer clear of a remembered topic replaces its
+    # row; a new topic's clear forgets the oldest again), and still holds what it retained.
+    a.start()
+    c = cl.client("a")
+    sub(c, "cp/last", 1)
+    assert [m.payload for m in drain(c, 1.0)] == [b"kept"]
+    publish(c, f"cp/{n - 1}", b"", 1, retain=True)
+    publish(c, "cp/new", b"", 1, retain=True)
+    c.disconnect()
+    c.loop_stop()
+    assert a.stop() == 0
+    rows = clear_rows()
+    assert len(rows) == _CLEARS_KEPT
+    assert "cp/new" in rows and f"cp/{n - 1}" in rows and f"cp/{extra}" not in rows
+
+
 def test_a_retained_clear_made_while_a_node_was_down_stays_cleared_everywhere(cluster):
     # Node b holds the retained message when it dies, and node a clears it meanwhile.
     # Back, b gets the clear replayed from a's log, and neither node brings the message

@@ -11,7 +11,7 @@ from mqtt_helpers import wait_for
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import encode
 from wrenmq.mqtt.packets import (Connect, Disconnect, Pingreq, Publish, Subscribe, SubscribeTopic,
-                                 Puback)
+                                 Puback, Unsubscribe)
 
 
 def raw_connect(port, cid, version=5, props=None, clean=True):
@@ -42,6 +42,42 @@ def test_max_subscriptions(make_broker, version, code):
     # Replacing an existing subscription is not a new one.
     c.send(Subscribe(2, [SubscribeTopic("a", 1)]))
     assert c.recv().reason_codes == [1]
+
+
+@pytest.mark.parametrize("version,code", [(5, C.QUOTA_EXCEEDED), (4, 0x80)])
+def test_subscription_memory_bounds_the_subscriptions_of_all_sessions(make_broker, version, code):
+    """Sessions, each with max_subscriptions filters of up to max_topic_length bytes, are
+    what a client could pile up (a new client id each time): past subscription_memory a
+    SUBSCRIBE to a new filter is refused, whichever client sends it, and what an
+    UNSUBSCRIBE or a session's end frees is taken again."""
+    from wrenmq.broker.router import SUBSCRIPTION_COST
+
+    def flt(i):
+        return f"long/{i:03d}/" + "x" * 1000
+
+    each = SUBSCRIPTION_COST + 2 * len(flt(0))
+    b = make_broker(f"[limits]\nsubscription_memory = {each * 5 + each // 2}\n")  # 5 long ones and a bit
+    persistent = {"session_expiry_interval": 600} if version == 5 else None
+    piler = raw_connect(b.port, "piler", version, persistent, clean=version == 5)
+    piler.send(Subscribe(1, [SubscribeTopic(flt(i)) for i in range(4)]))
+    assert piler.recv().reason_codes == [0] * 4
+    piler.send(Disconnect())
+    assert piler.closed()  # its session stays, and so do its subscriptions
+    other = raw_connect(b.port, "other", version)
+    other.send(Subscribe(1, [SubscribeTopic(flt(10)), SubscribeTopic(flt(11)), SubscribeTopic("short")]))
+    assert other.recv().reason_codes == [0, code, 0]  # counted in bytes: a short filter still fits
+    other.send(Subscribe(2, [SubscribeTopic(flt(10), 1)]))  # a filter it has: not a new one
+    assert other.recv().reason_codes == [1]
+    other.send(Unsubscribe(3, ["short"]))
+    assert other.recv().TYPE == C.UNSUBACK
+    # The piler's session ends (a clean session / clean start with no expiry): its four go.
+    raw_connect(b.port, "piler", version).close()
+    other.send(Subscribe(4, [SubscribeTopic(flt(11))]))
+    assert other.recv().reason_codes == [0]
+    values = b.call(b.broker.sys_topics.snapshot)
+    assert values["$SYS/broker/subscriptions/refused"] == 1
+    assert values["$SYS/broker/subscriptions/bytes"] == 2 * each
+    assert values["$SYS/broker/subscriptions/count"] == 2
 
 
 def test_max_topic_length(make_broker):

@@ -146,6 +146,12 @@ class LimitsSection:
                              "topic and about 400 bytes of objects, 700 with MQTT 5 properties), and 128 "
                              "bytes per queue entry. Beyond it new messages for queues are dropped (and counted) "
                              "unless the commit log holds them. 0 = no limit.", 0)
+    subscription_memory: int = _key(2147483648, "Memory the subscriptions of all sessions may take, in "
+                                    "bytes, counted as 550 bytes of objects per subscription plus twice "
+                                    "its filter's length. Beyond it a SUBSCRIBE to a filter the session "
+                                    "does not have yet is refused (5.0 SUBACK 0x97, 3.1.1 0x80), counted "
+                                    "and logged; sessions restored at start or handed over by another "
+                                    "node keep all theirs. 0 = no limit.", 0)
     max_queued_offline: int = _key(1000, "With the commit log on (storage mode \"disk\"): QoS 1/2 "
                                    "messages an offline persistent session keeps in memory (one whose "
                                    "client left while behind lets go of the newest of a longer queue); the "

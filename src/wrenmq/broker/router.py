@@ -35,6 +35,10 @@ _CONNACK_311 = (b"\x20\x02\x00\x00", b"\x20\x02\x01\x00")  # accepted; session p
 _EXPIRE_SESSION = 1
 _PUBLISH_WILL = 2
 _CATCH_UP = 3
+# What a subscription's objects take besides its filter (the Subscription, its place in
+# the session's dict and in the topic trie), measured with 100,000 subscriptions held:
+# 593 bytes each for 20-byte filters, 968 for 206-byte ones (the filter is kept twice).
+SUBSCRIPTION_COST = 550
 _CLEARS_KEPT = 100_000  # retained clears remembered (cluster), the oldest forgotten first
 
 
@@ -58,6 +62,7 @@ class Stats:
                  "pub_received", "pub_sent", "pub_dropped", "connects", "clients_maximum",
                  "denied_publish", "denied_subscribe", "denied_deliver", "expired", "rate_limited",
                  "refused_connections", "retained_refused", "sessions_refused", "refused_disk_low",
+                 "subscriptions_refused",
                  "_logged")
 
     def __init__(self):
@@ -158,6 +163,10 @@ class Router:
         self.max_queued_bytes = lim.max_queued_bytes or float("inf")
         self.max_inflight_bytes = lim.max_inflight_bytes or float("inf")
         self.queue_memory = lim.queue_memory or float("inf")
+        # What the subscriptions of all sessions cost in memory (what subscription_memory
+        # bounds): SUBSCRIPTION_COST and the filter twice each (`_add_subscription`).
+        self.subscription_memory = lim.subscription_memory or float("inf")
+        self.subscription_bytes = 0
         # What the queues of all sessions cost in memory (what queue_memory bounds): each
         # entry, and each message they hold once (`_queue_push`).
         self.queued_bytes = 0
@@ -750,10 +759,20 @@ class Router:
             except TopicError:
                 codes.append(fail(C.TOPIC_FILTER_INVALID))
                 continue
-            if self.limits.max_subscriptions and t.filter not in session.subscriptions and \
-                    len(session.subscriptions) >= self.limits.max_subscriptions:
-                codes.append(fail(C.QUOTA_EXCEEDED))
-                continue
+            if t.filter not in session.subscriptions:
+                if self.limits.max_subscriptions and len(session.subscriptions) >= self.limits.max_subscriptions:
+                    codes.append(fail(C.QUOTA_EXCEEDED))
+                    continue
+                if self.subscription_bytes + SUBSCRIPTION_COST + len(t.filter) + len(flt) > self.subscription_memory:
+                    # Sessions, each with its max_subscriptions of long filters, are what a
+                    # client could pile up without it.
+                    n = self.stats.refuse("subscriptions_refused")
+                    if n:
+                        log.warning("refusing a subscription of %s: subscriptions take about %d bytes "
+                                    "([limits] subscription_memory %d); %d refused so far",
+                                    session.client_id, self.subscription_bytes, self.limits.subscription_memory, n)
+                    codes.append(fail(C.QUOTA_EXCEEDED))
+                    continue
             if group is not None:
                 if t.no_local and v5:
                     raise MQTTError(C.PROTOCOL_ERROR, "no local on a shared subscription")
@@ -816,6 +835,7 @@ class Router:
 
     def _add_subscription(self, session, sub):
         session.match_cache = None
+        self.subscription_bytes += SUBSCRIPTION_COST + len(sub.full_filter) + len(sub.filter)
         if self.cluster is not None:
             self.cluster.subscribed(sub.group, sub.filter, session.conn is not None)
         if sub.group is None:
@@ -829,6 +849,7 @@ class Router:
 
     def _remove_subscription(self, session, sub):
         session.match_cache = None
+        self.subscription_bytes -= SUBSCRIPTION_COST + len(sub.full_filter) + len(sub.filter)
         if self.cluster is not None:
             self.cluster.unsubscribed(sub.group, sub.filter, session.conn is not None)
         if sub.group is None:

@@ -67,6 +67,8 @@ class SysTopics:
             "$SYS/broker/bytes/sent": s.bytes_sent,
             "$SYS/broker/subscriptions/count": r.subscription_count(),
             "$SYS/broker/subscriptions/denied": s.denied_subscribe,
+            "$SYS/broker/subscriptions/refused": s.subscriptions_refused,
+            "$SYS/broker/subscriptions/bytes": r.subscription_bytes,
             "$SYS/broker/retained messages/count": r.retained.count,
             "$SYS/broker/retained messages/bytes": r.retained.client_bytes,
             "$SYS/broker/retained messages/refused": s.retained_refused,

@@ -11,7 +11,7 @@ from mqtt_helpers import wait_for
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import encode
 from wrenmq.mqtt.packets import (Connect, Disconnect, Pingreq, Publish, Subscribe, SubscribeTopic,
-                                 Puback, Unsubscribe)
+                                 Puback, Unsubscribe, Will)
 
 
 def raw_connect(port, cid, version=5, props=None, clean=True):
@@ -78,6 +78,43 @@ def test_subscription_memory_bounds_the_subscriptions_of_all_sessions(make_broke
     assert values["$SYS/broker/subscriptions/refused"] == 1
     assert values["$SYS/broker/subscriptions/bytes"] == 2 * each
     assert values["$SYS/broker/subscriptions/count"] == 2
+
+
+def test_will_memory_bounds_the_wills_held_for_their_delay(make_broker):
+    """Clients that go with a long will delay, a new client id each time, are what could
+    pile wills up: past will_memory a will is published when its client goes, not after
+    its delay. A client that comes back frees the room its will took."""
+    from wrenmq.broker.message import MESSAGE_OVERHEAD
+
+    payload = b"w" * 2000
+    one = len(payload) + 2 * len("wills/a") + MESSAGE_OVERHEAD  # (each will's topic is as long)
+    b = make_broker(f"[limits]\nwill_memory = {one + one // 2}\n")  # room for one
+    watcher = raw_connect(b.port, "watcher", 5)
+    watcher.send(Subscribe(1, [SubscribeTopic("wills/#")]))
+    assert watcher.recv().reason_codes == [0]
+    stay = {"session_expiry_interval": 600}
+
+    def goes(cid):
+        c = RawClient(b.port, 5)
+        c.send(Connect(cid, 5, True, 60, Will(f"wills/{cid}", payload, 0, False, {"will_delay_interval": 60}),
+                       properties=stay))
+        assert c.recv().reason_code == 0
+        c.close()  # no DISCONNECT: the will is due, after its delay
+
+    goes("a")  # held for its 60 s
+    goes("b")  # no room left: published now
+    got = watcher.recv()
+    assert got.TYPE == C.PUBLISH and got.topic == "wills/b" and got.payload == payload
+    with pytest.raises(TimeoutError):
+        watcher.recv(timeout=0.5)  # a's is still waiting
+    back = raw_connect(b.port, "a", 5, stay, clean=False)  # a is back: its will is not published
+    goes("c")  # the room a's will took is free: held
+    with pytest.raises(TimeoutError):
+        watcher.recv(timeout=0.5)
+    values = b.call(b.broker.sys_topics.snapshot)
+    assert values["$SYS/broker/wills/published early"] == 1
+    assert values["$SYS/broker/wills/held bytes"] == one
+    back.close()
 
 
 def test_max_topic_length(make_broker):

@@ -152,6 +152,11 @@ class LimitsSection:
                                     "does not have yet is refused (5.0 SUBACK 0x97, 3.1.1 0x80), counted "
                                     "and logged; sessions restored at start or handed over by another "
                                     "node keep all theirs. 0 = no limit.", 0)
+    will_memory: int = _key(268435456, "Memory the wills of offline sessions waiting out their will "
+                            "delay may take, in bytes (payload, topic and about 400 bytes of objects "
+                            "each). Past it the will of a client that goes is published at once "
+                            "instead of after its delay (counted and logged); wills of sessions "
+                            "restored at start are all kept. 0 = no limit.", 0)
     max_queued_offline: int = _key(1000, "With the commit log on (storage mode \"disk\"): QoS 1/2 "
                                    "messages an offline persistent session keeps in memory (one whose "
                                    "client left while behind lets go of the newest of a longer queue); the "

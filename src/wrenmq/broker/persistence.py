@@ -381,7 +381,7 @@ class Persistence:
         # Timers last: expiry and wills that fell due while the broker was down fire now.
         for s in sessions.values():
             if s.will_at is not None:
-                router._schedule(s.will_at, 2, s)
+                router._hold_will(s, s.will_at)
             if s.expires_at is not None:
                 router._schedule(s.expires_at, 1, s)
         if sessions or state["retained"]:

@@ -62,7 +62,7 @@ class Stats:
                  "pub_received", "pub_sent", "pub_dropped", "connects", "clients_maximum",
                  "denied_publish", "denied_subscribe", "denied_deliver", "expired", "rate_limited",
                  "refused_connections", "retained_refused", "sessions_refused", "refused_disk_low",
-                 "subscriptions_refused",
+                 "subscriptions_refused", "wills_early",
                  "_logged")
 
     def __init__(self):
@@ -167,6 +167,9 @@ class Router:
         # bounds): SUBSCRIPTION_COST and the filter twice each (`_add_subscription`).
         self.subscription_memory = lim.subscription_memory or float("inf")
         self.subscription_bytes = 0
+        # The wills of offline sessions waiting for their delay (what will_memory bounds).
+        self.will_memory = lim.will_memory or float("inf")
+        self.held_will_bytes = 0
         # What the queues of all sessions cost in memory (what queue_memory bounds): each
         # entry, and each message they hold once (`_queue_push`).
         self.queued_bytes = 0
@@ -313,7 +316,7 @@ class Router:
             self.cluster.presence(session, True)
         session.expiry_interval = expiry
         session.expires_at = None
-        session.will_at = None
+        self._let_go_will(session)
         session.username = username
         session.address = conn.address
         session.listener = conn.listener_name
@@ -457,19 +460,43 @@ class Router:
             self.persist.session_offline(session)
         if will is not None:
             delay = min(session.will_delay, session.expiry_interval)
+            if delay > 0 and self.held_will_bytes + will.memory() > self.will_memory:
+                # Sessions that go with a long will delay, a new client id each time, are
+                # what a client could pile wills up in.
+                n = self.stats.refuse("wills_early")
+                if n:
+                    log.warning("publishing the will of %s now, not in %d s: held wills take %d bytes "
+                                "([limits] will_memory %d); %d published early so far", session.client_id,
+                                delay, self.held_will_bytes, self.limits.will_memory, n)
+                delay = 0
             if delay <= 0:
                 self._publish_will(session)
             else:
-                session.will_at = now + delay
-                self._schedule(session.will_at, _PUBLISH_WILL, session)
+                self._hold_will(session, now + delay)
         if session.expiry_interval != NEVER:
             session.expires_at = now + session.expiry_interval
             self._schedule(session.expires_at, _EXPIRE_SESSION, session)
 
+    def _hold_will(self, session, at):
+        """Keep the will of `session`, whose client is away, until `at` (monotonic), counted
+        in held_will_bytes."""
+        self._let_go_will(session)
+        session.will_at = at
+        session.will_held = session.will.memory()
+        self.held_will_bytes += session.will_held
+        self._schedule(at, _PUBLISH_WILL, session)
+
+    def _let_go_will(self, session):
+        """The will `session` held while away is published, dropped or its client is back."""
+        session.will_at = None
+        if session.will_held:
+            self.held_will_bytes -= session.will_held
+            session.will_held = 0
+
     def _publish_will(self, session):
         msg = session.will
         session.will = None
-        session.will_at = None
+        self._let_go_will(session)
         if msg is None:
             return
         hooks = self.hooks
@@ -493,6 +520,7 @@ class Router:
         if publish_will and session.will is not None:
             self._publish_will(session)
         session.will = None
+        self._let_go_will(session)
         subs = session.subscriptions
         if subs:
             for sub in subs.values():

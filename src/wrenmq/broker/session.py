@@ -76,7 +76,7 @@ class Session:
         "topic_alias_in_max", "receive_max_in", "username", "address", "connected_at",
         "dropped", "generation", "request_problem_info", "listener", "stored", "resume_from",
         "skip_offsets", "restored_qos2", "match_cache", "cursor_saved", "resend",
-        "queued_bytes", "inflight_bytes", "replay_dup_below",
+        "queued_bytes", "inflight_bytes", "replay_dup_below", "will_held",
     )
 
     def __init__(self, client_id):
@@ -91,6 +91,7 @@ class Session:
         self.will = None  # Message to publish if the connection fails
         self.will_delay = 0  # will delay interval (s) from CONNECT
         self.will_at = None  # monotonic deadline of a delayed will
+        self.will_held = 0  # what the router counts for it in held_will_bytes while will_at is set
         self.inflight = {}  # packet id -> Outgoing, in send order
         # Containers most sessions never use start as shared empty ones (a deque costs
         # 600 bytes, a set 200): the router swaps in a real one on first use.

@@ -69,6 +69,8 @@ class SysTopics:
             "$SYS/broker/subscriptions/denied": s.denied_subscribe,
             "$SYS/broker/subscriptions/refused": s.subscriptions_refused,
             "$SYS/broker/subscriptions/bytes": r.subscription_bytes,
+            "$SYS/broker/wills/held bytes": r.held_will_bytes,
+            "$SYS/broker/wills/published early": s.wills_early,
             "$SYS/broker/retained messages/count": r.retained.count,
             "$SYS/broker/retained messages/bytes": r.retained.client_bytes,
             "$SYS/broker/retained messages/refused": s.retained_refused,

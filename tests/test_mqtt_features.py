@@ -862,6 +862,25 @@ def test_receive_maximum_exceeded_inbound(make_broker, raw_client):
     assert c.closed(2)
 
 
+def test_receive_maximum_bounds_a_311_clients_qos2_ids_without_pubrel(make_broker, raw_client):
+    """3.1.1 has no receive maximum, but the packet ids a session holds until PUBREL are
+    memory: past receive_maximum of them the connection closes; back, the client
+    releases them (PUBREL) and goes on."""
+    b = make_broker("[limits]\nreceive_maximum = 3\n")
+    c, ack = raw_connect(raw_client, b.port, 4, client_id="qos2-piler", clean_start=False)
+    for pid in (1, 2, 3):
+        c.send(Publish("rm/t", b"x", qos=2, packet_id=pid))
+        assert c.recv().TYPE == C.PUBREC
+    c.send(Publish("rm/t", b"x", qos=2, packet_id=4))
+    assert c.closed(3)
+    c, ack = raw_connect(raw_client, b.port, 4, client_id="qos2-piler", clean_start=False)
+    assert ack.session_present
+    c.send(Pubrel(1))
+    assert c.recv().TYPE == C.PUBCOMP
+    c.send(Publish("rm/t", b"x", qos=2, packet_id=4))
+    assert c.recv().TYPE == C.PUBREC
+
+
 # --- MQTT 3.1 ---------------------------------------------------------------------------
 
 

@@ -97,7 +97,10 @@ class LimitsSection:
     max_keepalive: int = _key(65535, "Largest keepalive (s) accepted; 5.0 clients asking more "
                               "(or 0) get this as server keep alive, 3.1.1 clients are refused.", 1, 65535)
     max_packet_size: int = _key(1048576, "Largest packet (bytes) accepted from a client.", 64, 268435460)
-    receive_maximum: int = _key(1024, "In-flight QoS 1/2 PUBLISHes a 5.0 client may send unacknowledged.", 1, 65535)
+    receive_maximum: int = _key(1024, "In-flight QoS 1/2 PUBLISHes a 5.0 client may send unacknowledged "
+                                 "(told in CONNACK; past it DISCONNECT 0x93). A 3.1.1 client, which is "
+                                 "not told, may hold as many QoS 2 PUBLISHes without PUBREL; past it "
+                                 "its connection closes.", 1, 65535)
     max_inflight: int = _key(1024, "In-flight QoS 1/2 messages the broker sends to one client.", 1, 65535)
     max_queued_messages: int = _key(10000, "Messages queued per session beyond the in-flight window; "
                                     "further messages are dropped and counted, unless the commit log "

@@ -648,7 +648,11 @@ class Router:
                 session.conn.send(bytes((_PUBREC, 2, pid >> 8, pid & 0xFF)))
                 return
         if qos:
-            if session.v5 and len(session.incoming_qos2) >= session.receive_max_in:
+            if len(session.incoming_qos2) >= session.receive_max_in:
+                # 3.1.1 has no receive maximum, but the packet ids a session holds until
+                # PUBREL are memory a client could pile up (65,535 per session, sessions
+                # without end): past it the connection closes, and the session's client
+                # releases them when it is back.
                 raise MQTTError(C.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
             if self.disk_low:
                 # The log could not keep it: refuse it rather than acknowledge it. 3.1.1 has

@@ -9,14 +9,12 @@ import asyncio
 import collections
 import gc
 import logging
-import socket
 import weakref
 from time import monotonic
 
 from ..config import Config
 from ..mqtt import constants as C
 from ..store.store import SEAL_DELAY
-from .connection import Connection
 from .listeners import TLSReloadHook, open_listener
 from .hooks import HookChain
 from .persistence import Persistence

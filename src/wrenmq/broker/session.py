@@ -4,7 +4,6 @@ Pure data plus the small amount of bookkeeping that belongs to it (packet id
 allocation, the outgoing window). The router drives it; no I/O happens here.
 """
 
-from collections import deque
 
 NEVER = 0xFFFFFFFF  # session expiry interval meaning "does not expire"
 _NO_IDS = frozenset()

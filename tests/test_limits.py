@@ -117,6 +117,22 @@ def test_will_memory_bounds_the_wills_held_for_their_delay(make_broker):
     back.close()
 
 
+@pytest.mark.parametrize("version,code", [(5, C.CLIENT_IDENTIFIER_NOT_VALID), (4, 2)])
+def test_max_client_id_length(make_broker, version, code):
+    """A session keeps its client id, and the commit log records it with every message its
+    client publishes: ids past max_client_id_length bytes are refused."""
+    b = make_broker("[limits]\nmax_client_id_length = 30\n")
+    ok = RawClient(b.port, version)
+    ok.send(Connect("d" * 27 + "\u20ac", version))  # 30 bytes
+    assert ok.recv().reason_code == 0
+    long = RawClient(b.port, version)
+    long.send(Connect("d" * 28 + "\u20ac", version))  # 31 bytes
+    ack = long.recv()
+    assert ack.TYPE == C.CONNACK and ack.reason_code == code
+    assert long.closed()
+    ok.close()
+
+
 def test_max_topic_length(make_broker):
     b = make_broker("[limits]\nmax_topic_length = 20\n")
     c = raw_connect(b.port, "len")

@@ -137,6 +137,10 @@ class LimitsSection:
                              "start a new session that outlives its connection (session expiry > 0, "
                              "3.1.1 clean session 0) is refused (5.0 CONNACK 0x97, 3.1.1 0x03). "
                              "0 = no limit.", 0)
+    max_client_id_length: int = _key(1024, "Bytes a client id may have (MQTT allows 65,535; each session "
+                                     "keeps its id, and each message it publishes carries it into the "
+                                     "commit log); longer ones are refused (5.0 CONNACK 0x85, 3.1.1 0x02). "
+                                     "0 = no limit.", 0, 65535)
     max_retained_messages: int = _key(1000000, "Retained messages from clients held; beyond it a client's "
                                       "retained PUBLISH to a new topic is delivered but not retained "
                                       "(counted, logged). 0 = no limit.", 0)

@@ -243,6 +243,10 @@ class Router:
         v5 = pkt.version == C.MQTT5
         cid = pkt.client_id
         props = {}
+        if limits.max_client_id_length and len(cid) > limits.max_client_id_length // 4 and \
+                len(cid.encode()) > limits.max_client_id_length:
+            conn.refuse(pkt.version, C.CLIENT_IDENTIFIER_NOT_VALID)
+            return None
         if not cid:
             if not v5 and not pkt.clean_start:
                 conn.refuse(pkt.version, C.CLIENT_IDENTIFIER_NOT_VALID)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from conftest import RawClient, get_messages, subscribe
-from mqtt_helpers import wait_for
+from mqtt_helpers import uid, wait_for
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import encode
 from wrenmq.mqtt.packets import (Connect, Disconnect, Pingreq, Publish, Subscribe, SubscribeTopic,
@@ -131,6 +131,74 @@ def test_max_client_id_length(make_broker, version, code):
     assert ack.TYPE == C.CONNACK and ack.reason_code == code
     assert long.closed()
     ok.close()
+
+
+def test_subscription_and_will_counts_follow_every_way_a_session_changes(make_broker):
+    """What subscription_memory and will_memory compare against is kept as running sums.
+    After random sequences of connects (clean or not, with a will whose delay runs out
+    or not), subscriptions (plain, shared, re-subscribed), unsubscriptions, DISCONNECTs,
+    dropped connections and expiries, each sum is what the sessions held hold: nothing
+    is counted twice or left counted by a session that is gone."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from wrenmq.broker.router import SUBSCRIPTION_COST
+
+    b = make_broker()
+    filters = ["f/a", "f/+/b", "$share/g/f/#", "$share/h/f/a", "long/" + "x" * 300]
+
+    def held():
+        r = b.broker.router
+        sessions = list(r.sessions.values())
+        subs = sum(SUBSCRIPTION_COST + len(s.full_filter) + len(s.filter)
+                   for x in sessions for s in x.subscriptions.values())
+        wills = sum(x.will.memory() for x in sessions if x.will_at is not None)
+        return (r.subscription_bytes, r.held_will_bytes), (subs, wills)
+
+    steps = st.lists(st.tuples(st.sampled_from("CCSSSUXD"), st.integers(0, 2), st.integers(0, 4),
+                               st.booleans()), max_size=30)
+
+    @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(steps)
+    def run(ops):
+        ids = [uid("acct") for _ in range(3)]
+        conns = [None] * 3
+        pid = 0
+        for op, who, k, flag in ops:
+            c = conns[who]
+            if op == "C":
+                if c is not None:
+                    c.close()
+                c = conns[who] = RawClient(b.port, 5)
+                will = Will("w/t", b"w" * 100, 0, False, {"will_delay_interval": 1 if flag else 30}) if k % 2 else None
+                c.send(Connect(ids[who], 5, k < 2, 60, will, properties={"session_expiry_interval": 2 if flag else 60}))
+                assert c.recv().TYPE == C.CONNACK
+            elif c is None:
+                continue
+            elif op == "S":
+                pid += 1
+                c.send(Subscribe(pid, [SubscribeTopic(filters[k], int(flag))]))
+                assert c.recv().TYPE == C.SUBACK
+            elif op == "U":
+                pid += 1
+                c.send(Unsubscribe(pid, [filters[k]]))
+                assert c.recv().TYPE == C.UNSUBACK
+            else:
+                if op == "D":
+                    c.send(Disconnect())
+                c.close()
+                conns[who] = None
+        for c in conns:
+            if c is not None:
+                c.close()
+        time.sleep(0.1)
+        counted, sums = b.call(held)
+        assert counted == sums
+
+    run()
+    time.sleep(2.6)  # the 1 s will delays and 2 s session expiries run out
+    counted, sums = b.call(held)
+    assert counted == sums
 
 
 def test_max_topic_length(make_broker):

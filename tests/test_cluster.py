@@ -157,6 +157,18 @@ def await_route(publisher, subscriber, topic):
     drain(subscriber)
 
 
+def crosses(cl, prefix, payload):
+    """A subscriber on node a, a publisher on node b, and one QoS 1 message from b that
+    reaches a (once the route is there): (subscriber, publisher)."""
+    s = cl.client("a")
+    sub(s, f"{prefix}/#", 1)
+    pub = cl.client("b")
+    await_route(pub, s, f"{prefix}/1")
+    publish(pub, f"{prefix}/2", payload, 1)
+    assert [m.payload for m in drain(s, 1.0)] == [payload]
+    return s, pub
+
+
 def sys_value(client_factory, topic):
     c = client_factory()
     sub(c, topic)
@@ -915,12 +927,7 @@ def test_links_over_mutual_tls(cluster, tmp_path):
     cl = cluster(**good)
     cl.start("a")
     cl.start("b")
-    s = cl.client("a")
-    sub(s, "tl/#", 1)
-    pub = cl.client("b")
-    await_route(pub, s, "tl/1")
-    publish(pub, "tl/2", b"over tls", 1)
-    assert [m.payload for m in drain(s, 1.0)] == [b"over tls"]
+    s, _ = crosses(cl, "tl", b"over tls")
     # A node whose certificate another CA signed (and which trusts only that CA) joins
     # etcd, but no link to or from it comes up: nothing it publishes reaches node a.
     rogue = cl.start("c", certfile=str(files["rogue"][0]), cafile=str(files["rogue"][1]))
@@ -964,12 +971,7 @@ def test_nodes_join_through_etcd_over_tls_with_client_certificates(tmp_path):
         cl.start("a")
         # The key in the certificate's file, as [[listener]] certfile takes it too.
         cl.start("b", etcd_certfile=write("node.pem", node_cert.private_key_and_cert_chain_pem), etcd_keyfile="")
-        s = cl.client("a")
-        sub(s, "et/#", 1)
-        pub = cl.client("b")
-        await_route(pub, s, "et/1")
-        publish(pub, "et/2", b"through tls etcd", 1)
-        assert [m.payload for m in drain(s, 1.0)] == [b"through tls etcd"]
+        s, pub = crosses(cl, "et", b"through tls etcd")
         assert sorted(k.rsplit("/", 1)[-1] for k in etcd.keys(f"/wrenmq/{cl.name}/nodes/")) == ["a", "b"]
         cfg = tmp_path / "status.toml"
         cfg.write_text(cl.config("x", 0))

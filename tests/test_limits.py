@@ -142,7 +142,7 @@ def test_subscription_and_will_counts_follow_every_way_a_session_changes(make_br
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from wrenmq.broker.router import SUBSCRIPTION_COST
+    from wrenmq.broker.router import subscription_size
 
     b = make_broker()
     filters = ["f/a", "f/+/b", "$share/g/f/#", "$share/h/f/a", "long/" + "x" * 300]
@@ -150,8 +150,7 @@ def test_subscription_and_will_counts_follow_every_way_a_session_changes(make_br
     def held():
         r = b.broker.router
         sessions = list(r.sessions.values())
-        subs = sum(SUBSCRIPTION_COST + len(s.full_filter) + len(s.filter)
-                   for x in sessions for s in x.subscriptions.values())
+        subs = sum(subscription_size(s.full_filter, s.filter) for x in sessions for s in x.subscriptions.values())
         wills = sum(x.will.memory() for x in sessions if x.will_at is not None)
         return (r.subscription_bytes, r.held_will_bytes), (subs, wills)
 

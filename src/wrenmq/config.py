@@ -393,24 +393,32 @@ def _validate_listener(src, i, lst):
         mode = -1
     if not 0 <= mode <= 0o777:
         fail("mode", f"expected an octal file mode such as \"0660\", got {lst.mode!r}")
+    if lst.tls and not lst.certfile:
+        fail("certfile", "required when tls = true")
+    _check_tls_files(fail, lst, "tls", ("certfile", "keyfile", "cafile", "crlfile"))
     if not lst.tls:
-        for key in ("certfile", "keyfile", "cafile", "crlfile", "require_certificate",
-                    "use_identity_as_username"):
+        for key in ("require_certificate", "use_identity_as_username"):
             if getattr(lst, key):
                 fail(key, "only used with tls = true (is tls missing?)")
         return
-    if not lst.certfile:
-        fail("certfile", "required when tls = true")
-    for key in ("certfile", "keyfile", "cafile", "crlfile"):
-        value = getattr(lst, key)
-        if value and not os.path.isfile(value):
-            fail(key, f"file not found: {value}")
     if lst.require_certificate and not lst.cafile:
         fail("cafile", "required when require_certificate = true (the CA of the client certificates)")
     if lst.use_identity_as_username and not lst.require_certificate:
         fail("use_identity_as_username", "needs require_certificate = true")
     if lst.crlfile and not lst.cafile:
         fail("crlfile", "needs cafile (the CA whose revocations it lists)")
+
+
+def _check_tls_files(fail, section, flag, keys):
+    """The files of a TLS setting (`section`.`flag`): each one given must exist while the
+    flag is on, and none may be given while it is off."""
+    on = getattr(section, flag)
+    for key in keys:
+        value = getattr(section, key)
+        if value and not on:
+            fail(key, f"only used with {flag} = true (is {flag} missing?)")
+        if value and not os.path.isfile(value):
+            fail(key, f"file not found: {value}")
 
 
 def _validate_cluster(src, c):
@@ -429,29 +437,14 @@ def _validate_cluster(src, c):
         host, _, port = ep.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             fail("etcd" if ep in c.etcd else "advertise", f"expected host:port, got {ep!r}")
-    if c.etcd_tls:
-        for key in ("etcd_cafile", "etcd_certfile", "etcd_keyfile"):
-            value = getattr(c, key)
-            if value and not os.path.isfile(value):
-                fail(key, f"file not found: {value}")
-        if c.etcd_keyfile and not c.etcd_certfile:
-            fail("etcd_keyfile", "needs etcd_certfile")
-    else:
-        for key in ("etcd_cafile", "etcd_certfile", "etcd_keyfile"):
-            if getattr(c, key):
-                fail(key, "only used with etcd_tls = true (is etcd_tls missing?)")
+    _check_tls_files(fail, c, "etcd_tls", ("etcd_cafile", "etcd_certfile", "etcd_keyfile"))
+    if c.etcd_keyfile and not c.etcd_certfile:
+        fail("etcd_keyfile", "needs etcd_certfile")
     if c.tls:
         for key in ("certfile", "cafile"):
             if not getattr(c, key):
                 fail(key, "required when tls = true")
-        for key in ("certfile", "keyfile", "cafile"):
-            value = getattr(c, key)
-            if value and not os.path.isfile(value):
-                fail(key, f"file not found: {value}")
-    else:
-        for key in ("certfile", "keyfile", "cafile"):
-            if getattr(c, key):
-                fail(key, "only used with tls = true (is tls missing?)")
+    _check_tls_files(fail, c, "tls", ("certfile", "keyfile", "cafile"))
     if c.enabled and not c.advertise and c.bind in ("0.0.0.0", "::", ""):
         fail("advertise", f"required when bind is {c.bind!r} (the address other nodes connect to)")
 

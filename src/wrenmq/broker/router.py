@@ -39,6 +39,13 @@ _CATCH_UP = 3
 # the session's dict and in the topic trie), measured with 100,000 subscriptions held:
 # 593 bytes each for 20-byte filters, 968 for 206-byte ones (the filter is kept twice).
 SUBSCRIPTION_COST = 550
+
+
+def subscription_size(full_filter, filter):
+    """What [limits] subscription_memory counts for one subscription: its objects and its
+    filter twice (`full_filter` with the $share/<name>/ prefix, `filter` without)."""
+    return SUBSCRIPTION_COST + len(full_filter) + len(filter)
+
 _CLEARS_KEPT = 100_000  # retained clears remembered (cluster), the oldest forgotten first
 
 
@@ -164,7 +171,7 @@ class Router:
         self.max_inflight_bytes = lim.max_inflight_bytes or float("inf")
         self.queue_memory = lim.queue_memory or float("inf")
         # What the subscriptions of all sessions cost in memory (what subscription_memory
-        # bounds): SUBSCRIPTION_COST and the filter twice each (`_add_subscription`).
+        # bounds): subscription_size of each (`_add_subscription`).
         self.subscription_memory = lim.subscription_memory or float("inf")
         self.subscription_bytes = 0
         # The wills of offline sessions waiting for their delay (what will_memory bounds).
@@ -795,11 +802,12 @@ class Router:
             except TopicError:
                 codes.append(fail(C.TOPIC_FILTER_INVALID))
                 continue
-            if t.filter not in session.subscriptions:
+            existed = t.filter in session.subscriptions
+            if not existed:
                 if self.limits.max_subscriptions and len(session.subscriptions) >= self.limits.max_subscriptions:
                     codes.append(fail(C.QUOTA_EXCEEDED))
                     continue
-                if self.subscription_bytes + SUBSCRIPTION_COST + len(t.filter) + len(flt) > self.subscription_memory:
+                if self.subscription_bytes + subscription_size(t.filter, flt) > self.subscription_memory:
                     # Sessions, each with its max_subscriptions of long filters, are what a
                     # client could pile up without it.
                     n = self.stats.refuse("subscriptions_refused")
@@ -827,7 +835,6 @@ class Router:
                 codes.append(fail(C.NOT_AUTHORIZED))
                 continue
             qos = t.qos if t.qos < self.maximum_qos else self.maximum_qos
-            existed = t.filter in session.subscriptions
             sub = Subscription(flt, qos, t.no_local, t.retain_as_published, t.retain_handling,
                                sub_id, group, session)
             sub.created = session.subscriptions[t.filter].created if existed else self.rx_time
@@ -871,7 +878,7 @@ class Router:
 
     def _add_subscription(self, session, sub):
         session.match_cache = None
-        self.subscription_bytes += SUBSCRIPTION_COST + len(sub.full_filter) + len(sub.filter)
+        self.subscription_bytes += subscription_size(sub.full_filter, sub.filter)
         if self.cluster is not None:
             self.cluster.subscribed(sub.group, sub.filter, session.conn is not None)
         if sub.group is None:
@@ -885,7 +892,7 @@ class Router:
 
     def _remove_subscription(self, session, sub):
         session.match_cache = None
-        self.subscription_bytes -= SUBSCRIPTION_COST + len(sub.full_filter) + len(sub.filter)
+        self.subscription_bytes -= subscription_size(sub.full_filter, sub.filter)
         if self.cluster is not None:
             self.cluster.unsubscribed(sub.group, sub.filter, session.conn is not None)
         if sub.group is None:

@@ -43,8 +43,9 @@ def credentials(cfg):
         chain = b"\n".join(m.group(0) for m in _PEM_CERT.finditer(pem))
         if not chain:
             raise EtcdTLSError(f"[cluster] etcd_certfile: no PEM certificate in {cfg.etcd_certfile}")
-        key_key, key_path = ("etcd_keyfile", cfg.etcd_keyfile) if cfg.etcd_keyfile else ("etcd_certfile", cfg.etcd_certfile)
-        m = _PEM_KEY.search(pem if key_path == cfg.etcd_certfile else _read(key_key, key_path))
+        key_key = "etcd_keyfile" if cfg.etcd_keyfile else "etcd_certfile"  # (the key in the certificate's file)
+        key_path = getattr(cfg, key_key)
+        m = _PEM_KEY.search(_read(key_key, key_path) if cfg.etcd_keyfile else pem)
         if m is None:
             raise EtcdTLSError(f"[cluster] {key_key}: no PEM private key in {key_path}")
         key = m.group(0)

@@ -1,5 +1,6 @@
 /* log-path-model.c: the commit log's data path with no Python in it, to tell what the
- * design costs the event loop from what the Python broker adds (docs/BENCHMARKS.md, stop 21).
+ * design costs the event loop from what the Python broker adds
+ * (docs/benchmarks-history.md, stop 21).
  *
  * Two threads, pinned to CPUs 0 and 1, as the broker's event loop and log writer:
  * - the "loop" does WORK steps of arithmetic and NWS reads of random cache lines of a WS KiB

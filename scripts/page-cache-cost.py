@@ -1,5 +1,5 @@
 """What writing through the page cache costs this machine, with and without dropping
-the synced pages behind the writes (docs/BENCHMARKS.md, stop 26).
+the synced pages behind the writes (docs/benchmarks-history.md, stop 26).
 
     python3 scripts/page-cache-cost.py drop|plain [MiB, default 2048] [directory, default .]
 

@@ -4,7 +4,7 @@ from the log, then their FORWARD frames (as `Cluster._replay` builds them).
     .venv/bin/python scripts/replay-cost.py CONFIG.toml
 
 CONFIG names the data dir of a broker that has logged a few thousand messages
-(docs/BENCHMARKS.md, stop 25, has the commands).
+(docs/benchmarks-history.md, stop 25, has the commands).
 """
 
 import asyncio

@@ -162,16 +162,16 @@ def test_too_large_a_batch_is_refused():
 def test_parts_beyond_iov_max_are_written_in_order(tmp_path, monkeypatch):
     """A batch of more parts than one writev takes (the log's own writes) goes out in runs,
     in order."""
-    from wrenmq.store import log as commit_log
+    from wrenmq.store import files
 
-    monkeypatch.setattr(commit_log, "_IOV_MAX", 16)
+    monkeypatch.setattr(files, "IOV_MAX", 16)
     parts = [bytes([i % 256]) * (100 + i) for i in range(100)]
     path = tmp_path / "batch"
-    fd = commit_log.os.open(path, commit_log.os.O_WRONLY | commit_log.os.O_CREAT)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
     try:
-        commit_log._write_parts(fd, parts)
+        files.write_parts(fd, parts)
     finally:
-        commit_log.os.close(fd)
+        os.close(fd)
     assert path.read_bytes() == b"".join(parts)
 
 

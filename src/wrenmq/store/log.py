@@ -30,9 +30,9 @@ import os
 import re
 import struct
 import time
-import zlib
 from array import array
 
+from .files import DURABLE_FILE, durable_bytes, fallocate, fsync_dir, read_durable, write_atomic, write_parts
 from .format import (HEADER, HEADER_SIZE, MAGIC, MAX_BATCH_BYTES, Batch, BadRecord, CorruptBatch, Record,
                      read_prefix)
 
@@ -55,56 +55,6 @@ _BLOCK = 4096  # O_DIRECT writes: whole blocks of this size, at multiples of it,
 # docs/BENCHMARKS.md, stop 24). What a segment did not use is given back when it is sealed
 # or closed; a kill leaves at most this much allocated past its end.
 _RESERVE_AHEAD = 16 << 20
-_FALLOC_FL_KEEP_SIZE = 1
-# The partition's durable end, kept by a writer that fsyncs (`CommitLog(durable_marks=True)`):
-# the offset below which every record is on disk (an fdatasync of it returned), and the
-# CRC-32 of those 8 bytes. Readers that must never see a record a crash of the machine
-# could still take back, and its offset then reused (the Spark source), read up to it.
-DURABLE_FILE = "durable"
-_DURABLE = struct.Struct("<QI")
-
-
-def read_durable(directory):
-    """The durable end `directory`'s writer last wrote; None if it keeps none (its fsync
-    is "never", or it predates the file); 0 if the file cannot be read (a crash left it
-    torn: nothing is known durable until the writer writes it again)."""
-    path = os.path.join(directory, DURABLE_FILE)
-    for _ in range(3):  # (a read racing the writer's 12-byte write can see half of it)
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read(_DURABLE.size)
-        except FileNotFoundError:
-            return None
-        except OSError:
-            return 0
-        if len(data) == _DURABLE.size:
-            offset, crc = _DURABLE.unpack(data)
-            if zlib.crc32(data[:8]) == crc:
-                return offset
-    return 0
-
-
-def _find_fallocate():
-    """libc's fallocate(2) (Python's os has only posix_fallocate, which grows the file),
-    or None where there is none."""
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-    except (ImportError, OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-
-    def fallocate(fd, offset, length):
-        if fn(fd, _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-
-    return fallocate
-
-
-_fallocate = _find_fallocate()
 
 
 def segment_name(base):
@@ -952,7 +902,7 @@ class CommitLog(LogReader):
         self._stage = None  # page-aligned buffer for O_DIRECT writes
         # Where the active segment's allocated blocks end (_RESERVE_AHEAD); None: not done here.
         self._reserved = None
-        self.preallocate = _fallocate is not None
+        self.preallocate = fallocate is not None
         # How a segment the log rolls away from is made durable, with the directory that
         # gains the next one. None: fsynced here, before the next segment gets a byte. A
         # callable: handed duplicates of its log and index descriptors and one of the
@@ -985,7 +935,7 @@ class CommitLog(LogReader):
                 rebuilt = True
         rebuilt |= self._recover_active(self.segments[-1])
         if rebuilt:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
 
     def _open_durable(self, on):
         """Start keeping DURABLE_FILE (after making what recovery found durable), or, off,
@@ -1018,9 +968,8 @@ class CommitLog(LogReader):
         whose sync made it so). A failed write only holds readers back: logged once."""
         if self._durable_fd is None:
             return
-        head = offset.to_bytes(8, "little")
         try:
-            os.pwrite(self._durable_fd, _DURABLE.pack(offset, zlib.crc32(head)), 0)
+            os.pwrite(self._durable_fd, durable_bytes(offset), 0)
         except OSError as e:
             if not self._durable_failed:
                 self._durable_failed = True
@@ -1029,8 +978,8 @@ class CommitLog(LogReader):
 
     def _write_index(self, seg):
         idx, tidx = seg.index_bytes()
-        _write_atomic(seg.index_path, idx)
-        _write_atomic(seg.time_path, tidx)
+        write_atomic(seg.index_path, idx)
+        write_atomic(seg.time_path, tidx)
         seg.index_ok = True
 
     def _recover_active(self, seg):
@@ -1161,7 +1110,7 @@ class CommitLog(LogReader):
         self.segments.append(seg)
         self._open_files(seg)
         if sync_dir:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         return seg
 
     def append(self, data, base, count, first_ts, max_ts):
@@ -1179,7 +1128,7 @@ class CommitLog(LogReader):
             if self._dfd is not None and len(self._partial) + size >= _BLOCK:
                 self._write_direct(pos, parts, size)
             else:
-                _write_parts(self._wfd, parts)
+                write_parts(self._wfd, parts)
                 if self._dfd is not None:
                     self._partial += b"".join(parts)
         except OSError:
@@ -1207,7 +1156,7 @@ class CommitLog(LogReader):
         full disk) only turns this off: the write itself says whether there is room."""
         end = max(min(seg.size + size + _RESERVE_AHEAD, self.segment_bytes), seg.size + size)
         try:
-            _fallocate(self._wfd, self._reserved, end - self._reserved)
+            fallocate(self._wfd, self._reserved, end - self._reserved)
         except OSError as e:
             self.preallocate = False
             self._reserved = None
@@ -1310,14 +1259,14 @@ class CommitLog(LogReader):
                 if e.errno != errno.EINVAL:
                     raise
                 self._stop_direct(e)  # the filesystem refused this alignment after all
-                _write_parts(self._wfd, parts)
+                write_parts(self._wfd, parts)
                 return
         finally:
             view.release()
         if written != whole:
             raise OSError(errno.EIO, f"short O_DIRECT write ({written} of {whole} bytes)")
         if rest:
-            _write_parts(self._wfd, (rest,))
+            write_parts(self._wfd, (rest,))
         self._partial = rest
 
     def _stop_direct(self, why):
@@ -1447,44 +1396,5 @@ def _remove_orphans(directory):
                 os.unlink(os.path.join(directory, name))
             except OSError:
                 pass
-
-
-def _write_atomic(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-try:
-    _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
-except (AttributeError, ValueError, OSError):
-    _IOV_MAX = 1024
-
-
-def _write_parts(fd, parts):
-    """Write `parts` in order: writev in runs of at most IOV_MAX, short writes finished."""
-    for i in range(0, len(parts), _IOV_MAX):
-        run = parts[i:i + _IOV_MAX] if len(parts) > _IOV_MAX else parts
-        n = os.writev(fd, run)
-        want = sum(map(len, run))
-        if n < want:  # rare: signals, quotas
-            view = memoryview(b"".join(run))[n:]
-            while view:
-                view = view[os.write(fd, view):]
-
-
-def _fsync_dir(path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 __all__ = ["CommitLog", "Damage", "LogReader", "Record", "Salvaged", "Segment", "find_batch", "walk"]

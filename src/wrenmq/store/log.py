@@ -27,21 +27,17 @@ import errno
 import logging
 import mmap
 import os
-import re
 import struct
 import time
-from array import array
 
 from .files import DURABLE_FILE, durable_bytes, fallocate, fsync_dir, read_durable, write_atomic, write_parts
 from .format import (HEADER, HEADER_SIZE, MAGIC, MAX_BATCH_BYTES, Batch, BadRecord, CorruptBatch, Record,
                      read_prefix)
+from .index import check_index, entries_behind
+from .segment import INDEX_FILE, SEGMENT_FILE, Segment, list_segments, segment_name
 
 log = logging.getLogger("wrenmq.store")
 
-_SEGMENT_RE = re.compile(r"^(\d{20})\.log$")
-_AUX_RE = re.compile(r"^(\d{20})\.(?:index|timeindex)(?:\.tmp)?$")
-_INDEX_ENTRY = struct.Struct("<II")
-_TIME_ENTRY = struct.Struct("<qII")
 _READ_CHUNK = 1 << 20
 # Index entries are appended to the index files in runs of this many (and before every sync,
 # roll and close): one write per batch was two more GIL hand-overs per batch for the writer
@@ -55,143 +51,6 @@ _BLOCK = 4096  # O_DIRECT writes: whole blocks of this size, at multiples of it,
 # docs/BENCHMARKS.md, stop 24). What a segment did not use is given back when it is sealed
 # or closed; a kill leaves at most this much allocated past its end.
 _RESERVE_AHEAD = 16 << 20
-
-
-def segment_name(base):
-    return f"{base:020d}"
-
-
-class Segment:
-    """One segment's files and what is known about them."""
-
-    __slots__ = ("dir", "base", "size", "next_offset", "first_ts", "max_ts", "index_offsets",
-                 "index_positions", "time_ts", "time_offsets", "last_indexed_pos", "sealed",
-                 "scanned", "index_ok")
-
-    def __init__(self, directory, base):
-        self.dir = directory
-        self.base = base
-        self.sealed = False
-        self.forget()
-
-    def forget(self):
-        """Drop everything learned about the segment's contents."""
-        self.size = 0  # bytes of complete batches (readable or not) from the start of the file
-        self.next_offset = self.base
-        self.first_ts = None
-        self.max_ts = None
-        self.scanned = -1  # file size when last described; -1: never
-        self.index_ok = False  # the index files on disk matched what was found
-        self.reset_index()
-
-    @property
-    def log_path(self):
-        return os.path.join(self.dir, segment_name(self.base) + ".log")
-
-    @property
-    def index_path(self):
-        return os.path.join(self.dir, segment_name(self.base) + ".index")
-
-    @property
-    def time_path(self):
-        return os.path.join(self.dir, segment_name(self.base) + ".timeindex")
-
-    def read_index(self):
-        """The raw (index, timeindex) file contents; None for a missing file."""
-        out = []
-        for path in (self.index_path, self.time_path):
-            try:
-                with open(path, "rb") as fh:
-                    out.append(fh.read())
-            except FileNotFoundError:
-                out.append(None)
-        return out
-
-    def load_index(self, log_size, files=None):
-        """Read the index files (or take `files`, as from read_index); return False if
-        missing or inconsistent with the log."""
-        raw, traw = files if files is not None else self.read_index()
-        if not raw or traw is None or len(raw) % _INDEX_ENTRY.size or len(traw) % _TIME_ENTRY.size:
-            return False
-        if len(traw) // _TIME_ENTRY.size != len(raw) // _INDEX_ENTRY.size:
-            return False
-        offs = array("q")
-        poss = array("q")
-        for rel, pos in _INDEX_ENTRY.iter_unpack(raw):
-            if poss and (pos <= poss[-1] or self.base + rel <= offs[-1]):
-                return False
-            if pos >= log_size or pos % 8:
-                return False
-            offs.append(self.base + rel)
-            poss.append(pos)
-        if poss[0] != 0 or offs[0] != self.base:
-            return False
-        tts = array("q")
-        toffs = array("q")
-        for i, (ts, rel, _) in enumerate(_TIME_ENTRY.iter_unpack(traw)):
-            if (tts and ts < tts[-1]) or self.base + rel != offs[i]:
-                return False
-            tts.append(ts)
-            toffs.append(self.base + rel)
-        self.index_offsets, self.index_positions = offs, poss
-        self.time_ts, self.time_offsets = tts, toffs
-        self.last_indexed_pos = poss[-1]
-        return True
-
-    def reset_index(self):
-        self.index_offsets = array("q")
-        self.index_positions = array("q")
-        self.time_ts = array("q")
-        self.time_offsets = array("q")
-        self.last_indexed_pos = -1
-
-    def add_index_entry(self, batch_base, pos, max_ts, interval):
-        """Record an index entry for a batch at `pos` if due; return the entry bytes written.
-
-        `max_ts`: the largest timestamp of this batch and of every batch before it.
-        """
-        if self.last_indexed_pos >= 0 and pos - self.last_indexed_pos < interval:
-            return None
-        self.index_offsets.append(batch_base)
-        self.index_positions.append(pos)
-        self.last_indexed_pos = pos
-        ts = max_ts if not self.time_ts or max_ts > self.time_ts[-1] else self.time_ts[-1]
-        self.time_ts.append(ts)
-        self.time_offsets.append(batch_base)
-        return (_INDEX_ENTRY.pack(batch_base - self.base, pos),
-                _TIME_ENTRY.pack(ts, batch_base - self.base, 0))
-
-    def index_bytes(self):
-        """The index and time index files as they should be for the entries in memory."""
-        b = self.base
-        idx = b"".join(_INDEX_ENTRY.pack(o - b, p) for o, p in zip(self.index_offsets, self.index_positions))
-        tidx = b"".join(_TIME_ENTRY.pack(t, o - b, 0) for t, o in zip(self.time_ts, self.time_offsets))
-        return idx, tidx
-
-    def position_for(self, offset):
-        """(position, offset) of the last indexed batch starting at or before `offset`."""
-        i = bisect.bisect_right(self.index_offsets, offset) - 1
-        if i < 0:
-            return 0, self.base
-        return self.index_positions[i], self.index_offsets[i]
-
-    def offset_for_time(self, ts):
-        """An offset at or before this segment's first record with timestamp >= ts."""
-        i = bisect.bisect_left(self.time_ts, ts) - 1
-        return self.time_offsets[i] if i >= 0 else self.base
-
-    def next_index_position_after(self, pos):
-        i = bisect.bisect_right(self.index_positions, pos)
-        return self.index_positions[i] if i < len(self.index_positions) else None
-
-
-def _list_segments(directory):
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    bases = sorted(int(m.group(1)) for m in map(_SEGMENT_RE.match, names) if m)
-    return bases
 
 
 # --- walking a segment file ---------------------------------------------------------
@@ -474,7 +333,7 @@ class LogReader:
         """Pick up new segments and appended data, drop deleted segments."""
         known = {s.base: s for s in self.segments}
         segments = []
-        bases = _list_segments(self.dir)
+        bases = list_segments(self.dir)
         for base in bases:
             seg = known.get(base)
             if seg is None:
@@ -769,60 +628,9 @@ class LogReader:
                                     f"(position {damage.pos}: {damage.reason}); {fix}")
             finally:
                 os.close(fd)
-            problems.extend(_verify_index(seg, idx, tidx, starts, size, si == len(segs) - 1))
+            problems.extend(check_index(seg, idx, tidx, starts, size, si == len(segs) - 1))
             prev = expect
         return problems
-
-
-def _verify_index(seg, idx, tidx, starts, size, last):
-    problems = []
-    base = seg.base
-    n = None
-    if idx is None:
-        problems.append(f"{seg.index_path}: missing (rebuilt when the broker next starts)")
-    else:
-        if len(idx) % _INDEX_ENTRY.size:
-            problems.append(f"{seg.index_path}: {len(idx)} bytes, not a whole number of "
-                            f"{_INDEX_ENTRY.size}-byte entries (half-written)")
-        entries = list(_INDEX_ENTRY.iter_unpack(idx[:len(idx) - len(idx) % _INDEX_ENTRY.size]))
-        n = len(entries)
-        if not entries and starts and not last:
-            # (The last segment's entries are written behind it: it may be written to now.)
-            problems.append(f"{seg.index_path}: empty although the log holds batches")
-        bad = []
-        prev_pos = -1
-        for k, (rel, pos) in enumerate(entries):
-            if pos >= size:
-                bad.append(f"entry {k} (offset {base + rel}) points at position {pos}, past the end of the "
-                           f"log ({size} bytes)")
-            elif starts.get(pos) != base + rel:
-                bad.append(f"entry {k} (offset {base + rel}) points at position {pos}, which is not the "
-                           f"start of the batch holding that offset")
-            elif pos <= prev_pos:
-                bad.append(f"entry {k} is out of order")
-            prev_pos = max(prev_pos, pos)
-        if bad:
-            more = f" (and {len(bad) - 1} more bad entries)" if len(bad) > 1 else ""
-            problems.append(f"{seg.index_path}: stale or damaged: {bad[0]}{more}")
-    if tidx is None:
-        problems.append(f"{seg.time_path}: missing (rebuilt when the broker next starts)")
-    else:
-        if len(tidx) % _TIME_ENTRY.size:
-            problems.append(f"{seg.time_path}: {len(tidx)} bytes, not a whole number of "
-                            f"{_TIME_ENTRY.size}-byte entries (half-written)")
-        tentries = list(_TIME_ENTRY.iter_unpack(tidx[:len(tidx) - len(tidx) % _TIME_ENTRY.size]))
-        if n is not None and len(tentries) != n:
-            problems.append(f"{seg.time_path}: {len(tentries)} entries, but the offset index has {n}")
-        elif n is not None:
-            off = [base + rel for rel, _ in _INDEX_ENTRY.iter_unpack(idx[:8 * n])]
-            wrong = [k for k, (_, rel, _) in enumerate(tentries) if base + rel != off[k]]
-            if wrong:
-                problems.append(f"{seg.time_path}: entry {wrong[0]} names offset "
-                                f"{base + tentries[wrong[0]][1]}, the offset index {off[wrong[0]]}")
-        dec = [k for k in range(1, len(tentries)) if tentries[k][0] < tentries[k - 1][0]]
-        if dec:
-            problems.append(f"{seg.time_path}: timestamps decrease at entry {dec[0]}")
-    return problems
 
 
 def _first_ts(fd, size):
@@ -1056,14 +864,11 @@ class CommitLog(LogReader):
         rebuilt = False
         want, have = list(seg.index_bytes()), seg.read_index()
         if want != have:
-            behind = None not in have and len(have[0]) % _INDEX_ENTRY.size == 0 \
-                and len(have[1]) == len(have[0]) // _INDEX_ENTRY.size * _TIME_ENTRY.size \
-                and want[0].startswith(have[0]) and want[1].startswith(have[1])
-            if behind:
+            behind = entries_behind(want, have)
+            if behind is not None:
                 # Entries are written behind the log (_INDEX_WRITE_EVERY): after a kill the
                 # last ones are simply not there yet.
-                log.info("%s: completing the index (%d entries behind the log)", seg.log_path,
-                         (len(want[0]) - len(have[0])) // _INDEX_ENTRY.size)
+                log.info("%s: completing the index (%d entries behind the log)", seg.log_path, behind)
             elif good_end or have != [b"", b""]:
                 log.warning("%s: index missing, stale or inconsistent; rebuilding it", seg.log_path)
             self._write_index(seg)
@@ -1388,9 +1193,9 @@ def _remove_orphans(directory):
         names = os.listdir(directory)
     except FileNotFoundError:
         return
-    logs = {m.group(1) for m in map(_SEGMENT_RE.match, names) if m}
+    logs = {m.group(1) for m in map(SEGMENT_FILE.match, names) if m}
     for name in names:
-        m = _AUX_RE.match(name)
+        m = INDEX_FILE.match(name)
         if m and (name.endswith(".tmp") or m.group(1) not in logs):
             try:
                 os.unlink(os.path.join(directory, name))

@@ -27,18 +27,16 @@ import errno
 import logging
 import mmap
 import os
-import struct
 import time
 
 from .files import DURABLE_FILE, durable_bytes, fallocate, fsync_dir, read_durable, write_atomic, write_parts
-from .format import (HEADER, HEADER_SIZE, MAGIC, MAX_BATCH_BYTES, Batch, BadRecord, CorruptBatch, Record,
-                     read_prefix)
+from .format import Batch
 from .index import check_index, entries_behind
+from .scan import Damage, Salvaged, first_timestamp, offset_ranges, walk
 from .segment import INDEX_FILE, SEGMENT_FILE, Segment, list_segments, segment_name
 
 log = logging.getLogger("wrenmq.store")
 
-_READ_CHUNK = 1 << 20
 # Index entries are appended to the index files in runs of this many (and before every sync,
 # roll and close): one write per batch was two more GIL hand-overs per batch for the writer
 # thread. Readers walk the log past the last entry in the files, so they only lag.
@@ -51,232 +49,6 @@ _BLOCK = 4096  # O_DIRECT writes: whole blocks of this size, at multiples of it,
 # docs/BENCHMARKS.md, stop 24). What a segment did not use is given back when it is sealed
 # or closed; a kill leaves at most this much allocated past its end.
 _RESERVE_AHEAD = 16 << 20
-
-
-# --- walking a segment file ---------------------------------------------------------
-
-
-class Salvaged:
-    """A batch whose CRC failed but whose structure held, checked record by record."""
-
-    __slots__ = ("pos", "size", "base", "count", "good", "bad", "reason")
-
-    def __init__(self, pos, size, base, count, good, bad, reason):
-        self.pos = pos
-        self.size = size
-        self.base = base
-        self.count = count
-        self.good = good  # Records that check out
-        self.bad = bad  # offsets of those that do not
-        self.reason = reason
-
-    @property
-    def next_offset(self):
-        return self.base + self.count
-
-    @property
-    def first_ts(self):
-        return self.good[0].timestamp if self.good else None
-
-    @property
-    def max_ts(self):
-        return max((r.timestamp for r in self.good), default=None)
-
-
-class Damage:
-    """Bytes [pos, end) of a segment file that hold no readable batch."""
-
-    __slots__ = ("pos", "end", "reason")
-
-    def __init__(self, pos, end, reason):
-        self.pos = pos
-        self.end = end
-        self.reason = reason
-
-    def __repr__(self):
-        return f"Damage({self.pos}-{self.end}: {self.reason})"
-
-
-def _salvage(buf, rel, pos, size, expect):
-    """What can be saved of the batch at buf[rel:rel+size] whose CRC failed.
-
-    A Salvaged, a Damage covering the batch (its base offset cannot be trusted), or
-    None if its structure does not hold (then where the next batch starts is unknown).
-    """
-    try:
-        b = Batch(buf, rel, verify=False)
-        true_size = b.data_size()
-        if true_size > size:  # pragma: no cover - columns() refuses this
-            return None
-        if expect is not None and b.base != expect:
-            return Damage(pos, pos + true_size, f"batch CRC mismatch and its base offset {b.base} "
-                                                f"does not follow offset {expect - 1}")
-        good = []
-        bad = []
-        for r in b.records(check_records=True):
-            if isinstance(r, BadRecord):
-                bad.append(r.offset)
-            else:
-                good.append(r)
-    except CorruptBatch:
-        return None
-    reason = "batch CRC mismatch"
-    if true_size != size:
-        reason += f" (its length field says {size} bytes, its columns {true_size})"
-    return Salvaged(pos, true_size, b.base, b.count, good, bad, reason)
-
-
-def find_batch(fd, start, limit, end, expect=None):
-    """The first 8-aligned position in [start, limit) where an intact batch begins.
-
-    Intact: magic, a sane length within `end`, a good CRC and (if `expect` is given)
-    a base offset >= expect. None if there is none.
-    """
-    pos = start + (-start % 8)
-    while pos < limit:
-        n = min(_READ_CHUNK, limit - pos)
-        chunk = os.pread(fd, n + 8, pos)
-        if not chunk:
-            return None
-        i = chunk.find(MAGIC)
-        while 0 <= i < n:
-            if not i % 8:
-                cand = pos + i
-                head = chunk if len(chunk) - i >= 8 else os.pread(fd, 8, cand)
-                size = read_prefix(head, i if head is chunk else 0)
-                if size is not None and cand + size <= end:
-                    data = os.pread(fd, size, cand)
-                    if len(data) == size:
-                        try:
-                            b = Batch(data, 0)
-                        except CorruptBatch:
-                            pass
-                        else:
-                            if expect is None or b.base >= expect:
-                                return cand
-            i = chunk.find(MAGIC, i + 1)
-        pos += n
-    return None
-
-
-def _repair_length(fd, pos, end):
-    """The batch at `pos` if only its length field is damaged (its columns give its true
-    size and its CRC checks out over that size), else None."""
-    head = os.pread(fd, HEADER_SIZE, pos)
-    if len(head) < HEADER_SIZE or head[:4] != MAGIC:
-        return None
-    n = HEADER.unpack_from(head)[4]
-    fixed = HEADER_SIZE + 8 * n + 4 * n + 16 * (n + 1) + 2 * n + n
-    if fixed > min(end - pos, MAX_BATCH_BYTES):
-        return None
-    cols = os.pread(fd, fixed, pos)
-    if len(cols) < fixed:
-        return None
-    # The data lengths: the last entry of each of the four offsets columns.
-    lens = [struct.unpack_from("<I", cols, HEADER_SIZE + 12 * n + 4 * (n + 1) * k + 4 * n)[0] for k in range(4)]
-    true = fixed + sum(lens)
-    true += -true % 8
-    if true > end - pos or true > MAX_BATCH_BYTES:
-        return None
-    data = bytearray(os.pread(fd, true, pos))
-    if len(data) < true:
-        return None
-    struct.pack_into("<I", data, 4, true - 8)
-    try:
-        return Batch(bytes(data), 0)
-    except CorruptBatch:
-        return None
-
-
-def walk(fd, pos, end, expect=None, bound=None, search_tail=True):
-    """Yield (position, item) for what lies in [pos, end) of an open segment file.
-
-    item is a CRC-checked `Batch`, a `Salvaged` batch (its CRC failed but its
-    structure held: the records that check out and the offsets that do not; or
-    only its length field was damaged) or a `Damage` (bytes holding no readable
-    batch). After damage the walk resumes at the next intact batch with a base >=
-    the expected offset, searched up to `bound(pos)` (a known batch start such as
-    the next index entry; the walk resumes there if nothing is found before) or
-    else up to `end`. A Damage reaching `end` is a torn tail (or a batch still being
-    written). `expect` is the base offset the first batch should have, if known.
-
-    Without `search_tail`, a batch whose header is sound but which runs past `end`
-    is taken for a write cut short (a torn tail) and nothing after it is searched:
-    its partial payload could hold bytes that look like a batch.
-    """
-    buf = b""
-    buf_pos = pos
-    while pos < end:
-        rel = pos - buf_pos
-        if rel < 0 or len(buf) - rel < HEADER_SIZE:
-            buf = os.pread(fd, min(_READ_CHUNK, end - pos), pos)
-            buf_pos = pos
-            rel = 0
-        size = read_prefix(buf, rel)
-        torn = False
-        if size is None:
-            reason = "no batch header" if len(buf) - rel >= 8 else "incomplete batch header"
-        elif pos + size > end:
-            reason = f"batch of {size} bytes runs past the end of the data"
-            torn = True
-        else:
-            if len(buf) - rel < size:
-                buf = os.pread(fd, min(max(_READ_CHUNK, size), end - pos), pos)
-                buf_pos = pos
-                rel = 0
-            if len(buf) < size:
-                reason = "the file ends inside the batch"
-            else:
-                try:
-                    b = Batch(buf, rel)
-                except CorruptBatch as e:
-                    item = _salvage(buf, rel, pos, size, expect)
-                    if isinstance(item, Salvaged):
-                        yield pos, item
-                        expect = item.next_offset
-                        pos += item.size
-                        continue
-                    if isinstance(item, Damage):
-                        yield pos, item
-                        pos = item.end
-                        continue
-                    reason = f"{e}; its structure is damaged too"
-                else:
-                    if expect is not None and b.base < expect:
-                        # Intact, but its offsets go backwards: a stale copy, not the log.
-                        yield pos, Damage(pos, pos + size, f"an intact batch of offsets {b.base}-"
-                                                           f"{b.base + b.count - 1} where offset {expect} "
-                                                           f"should follow (a stale copy)")
-                        pos += size
-                        continue
-                    yield pos, b
-                    expect = b.base + b.count
-                    pos += size
-                    continue
-        if buf[rel:rel + 4] == MAGIC:
-            b = _repair_length(fd, pos, end)
-            if b is not None and (expect is None or b.base >= expect):
-                yield pos, Salvaged(pos, b.size, b.base, b.count, list(b.records()), [],
-                                    f"its length field is damaged (the batch is {b.size} bytes "
-                                    f"and checks out)")
-                expect = b.base + b.count
-                pos += b.size
-                buf = b""
-                continue
-            if torn and not search_tail:
-                yield pos, Damage(pos, end, reason)
-                return
-        limit = end
-        if bound is not None:
-            nb = bound(pos)
-            if nb is not None and nb < limit:
-                limit = nb
-        nxt = find_batch(fd, pos + 8, limit, end, expect)
-        if nxt is None:
-            nxt = limit
-        yield pos, Damage(pos, nxt, reason)
-        pos = nxt
-        buf = b""
 
 
 class _OffsetSet:
@@ -370,7 +142,7 @@ class LogReader:
             if seg.scanned < 0 and seg.index_ok:
                 loaded = len(seg.index_offsets)
                 seg.max_ts = seg.time_ts[-1]
-                seg.first_ts = _first_ts(fd, size)
+                seg.first_ts = first_timestamp(fd)
                 if not self._extend(seg, fd, seg.last_indexed_pos, size, seg.index_offsets[-1], last, True):
                     # The last index entry does not lead to its batch: the index is stale.
                     seg.forget()
@@ -508,7 +280,7 @@ class LogReader:
             return
         what = (f"{damage.end - damage.pos} unreadable bytes at position {damage.pos} ({damage.reason})"
                 if damage is not None else "records missing")
-        log.error("%s: %s; skipped offsets %s (%d record(s))", seg.log_path, what, _ranges(range(a, b)),
+        log.error("%s: %s; skipped offsets %s (%d record(s))", seg.log_path, what, offset_ranges(range(a, b)),
                   b - a)
 
     def _salvaged(self, seg, item, start, end):
@@ -518,7 +290,7 @@ class LogReader:
         if new:
             log.error("%s: batch at position %d (offsets %d-%d): %s; skipped %d damaged record(s) "
                       "(offsets %s), kept %d", seg.log_path, item.pos, item.base, item.next_offset - 1,
-                      item.reason, len(item.bad), _ranges(item.bad), len(item.good))
+                      item.reason, len(item.bad), offset_ranges(item.bad), len(item.good))
         elif not item.bad and key not in self._noted:
             self._noted.add(key)
             log.error("%s: batch at position %d (offsets %d-%d): %s, but every record checks out; "
@@ -595,7 +367,7 @@ class LogReader:
             path = seg.log_path
             if prev is not None and seg.base != prev:
                 problems.append(f"{path}: starts at offset {seg.base}, but the segment before it ends "
-                                f"at offset {prev - 1}" + (f" (offsets {_ranges(range(prev, seg.base))} missing)"
+                                f"at offset {prev - 1}" + (f" (offsets {offset_ranges(range(prev, seg.base))} missing)"
                                                            if seg.base > prev else " (overlap)"))
             starts = {}
             expect = seg.base
@@ -606,7 +378,7 @@ class LogReader:
                         damage = item
                         continue
                     if damage is not None:
-                        lost = (f"offsets {_ranges(range(expect, item.base))} lost" if item.base > expect
+                        lost = (f"offsets {offset_ranges(range(expect, item.base))} lost" if item.base > expect
                                 else "no offsets lost")
                         problems.append(f"{path}: {damage.end - damage.pos} unreadable bytes at position "
                                         f"{damage.pos} ({damage.reason}); {lost}")
@@ -615,7 +387,7 @@ class LogReader:
                         problems.append(f"{path}: batch at position {pos} starts at offset {item.base}, "
                                         f"expected {expect}")
                     if isinstance(item, Salvaged):
-                        what = (f"damaged records: offsets {_ranges(item.bad)}" if item.bad
+                        what = (f"damaged records: offsets {offset_ranges(item.bad)}" if item.bad
                                 else "every record checks out")
                         problems.append(f"{path}: batch at position {pos} (offsets {item.base}-"
                                         f"{item.next_offset - 1}): {item.reason}; {what}")
@@ -631,34 +403,6 @@ class LogReader:
             problems.extend(check_index(seg, idx, tidx, starts, size, si == len(segs) - 1))
             prev = expect
         return problems
-
-
-def _first_ts(fd, size):
-    """The first timestamp of a segment's first batch (its CRC checked if it can be)."""
-    head = os.pread(fd, HEADER_SIZE, 0)
-    n = read_prefix(head)
-    if n is None or len(head) < HEADER_SIZE:
-        return None
-    try:
-        return Batch(os.pread(fd, n, 0), 0).first_ts
-    except CorruptBatch:
-        return HEADER.unpack_from(head)[5]
-
-
-def _ranges(offsets):
-    offsets = list(offsets)
-    if not offsets:
-        return ""
-    out = []
-    start = prev = offsets[0]
-    for o in offsets[1:]:
-        if o == prev + 1:
-            prev = o
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        start = prev = o
-    out.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return ",".join(out)
 
 
 def _matcher(filters):
@@ -831,14 +575,14 @@ class CommitLog(LogReader):
             if isinstance(item, Salvaged):
                 log.error("%s: batch at position %d (offsets %d-%d): %s; damaged records: %s; kept "
                           "(readers skip the damaged records)", seg.log_path, item.pos, item.base,
-                          item.next_offset - 1, item.reason, _ranges(item.bad) or "none")
+                          item.next_offset - 1, item.reason, offset_ranges(item.bad) or "none")
             elif isinstance(item, Damage):
                 log.error("%s: %d unreadable bytes at position %d (%s), followed by intact batches; "
                           "kept (readers skip them)", seg.log_path, item.end - item.pos, item.pos,
                           item.reason)
             else:
                 log.error("%s: offsets %s missing before position %d", seg.log_path,
-                          _ranges(range(exp, item.base)), pos)
+                          offset_ranges(range(exp, item.base)), pos)
         if good_end < size:
             lost = size - good_end
             self.truncated_bytes += lost
@@ -1202,4 +946,5 @@ def _remove_orphans(directory):
             except OSError:
                 pass
 
-__all__ = ["CommitLog", "Damage", "LogReader", "Record", "Salvaged", "Segment", "find_batch", "walk"]
+
+__all__ = ["CommitLog", "LogReader"]

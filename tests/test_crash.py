@@ -242,7 +242,7 @@ def test_kill9_loses_nothing_acknowledged(serve_broker, tmp_path):
     _report("crash test", kills, subs, pubs, acked)
 
     # Where each message first entered the log.
-    from wrenmq.store.log import LogReader
+    from wrenmq.store.reader import LogReader
     (part,) = (data / "log").iterdir()
     log_order = {p.name: {} for p in pubs}
     accepted_twice = []  # QoS 2 messages the broker took in twice (a failed duplicate check)

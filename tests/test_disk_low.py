@@ -12,7 +12,7 @@ from mqtt_helpers import raw_connect, raw_next, rc_int, scrape, wait_for
 from conftest import subscribe, get_messages
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.packets import Publish, Will
-from wrenmq.store.log import LogReader
+from wrenmq.store.reader import LogReader
 
 PAYLOAD = bytes(4096)
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import WRENMQ, ServedBroker, paho_client
 from wrenmq.store.format import Batch
-from wrenmq.store.log import LogReader
+from wrenmq.store.reader import LogReader
 
 N_TEXT = 20  # "cli/a/<i>" text messages, then the special ones below
 

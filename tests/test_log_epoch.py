@@ -22,7 +22,7 @@ import asyncio, json, sys, time
 from wrenmq.broker.message import Message
 from wrenmq.config import load
 from wrenmq.store import _epoch, store
-from wrenmq.store.log import LogReader
+from wrenmq.store.reader import LogReader
 
 def rows(records):
     return [[r.offset, r.timestamp, r.qos, r.retain, r.topic, r.client_id, r.properties.hex(),

@@ -17,7 +17,8 @@ from conftest import get_messages, paho_client, subscribe
 from log_helpers import Built
 from wrenmq.store.arrow import SCHEMA, read_arrow
 from wrenmq.store.format import Batch
-from wrenmq.store.log import CommitLog, LogReader
+from wrenmq.store.log import CommitLog
+from wrenmq.store.reader import LogReader
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import encode
 from wrenmq.mqtt.packets import (Connect, Disconnect, Pubcomp, Publish, Pubrec, Pubrel, Subscribe,
                                  SubscribeTopic)
-from wrenmq.store.log import LogReader
+from wrenmq.store.reader import LogReader
 
 HOW = pytest.mark.parametrize("how", ["stop", "kill"])
 VERSIONS = pytest.mark.parametrize("version", [4, 5])
@@ -943,7 +943,7 @@ def test_log_disabled_still_persists_sessions_and_retained(durable, pc, how):
     assert m.retain and m.payload == b"kept"
     # With the log disabled nothing is recorded for readers; what the log holds is only the
     # private records that kept messages owed to this persistent session.
-    from wrenmq.store.log import LogReader
+    from wrenmq.store.reader import LogReader
     reader = LogReader(b.log_dir)
     assert list(reader.records()) == [], "topic records written with the log disabled"
     assert all(r.private for r in reader.records(private=True))

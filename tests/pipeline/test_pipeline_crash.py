@@ -62,7 +62,7 @@ def test_archive_killed_mid_batch_restarts_with_no_duplicate_and_no_gap(spark, s
     import pyarrow.dataset as ds
 
     from wrenmq.pipeline import jobs
-    from wrenmq.store.log import LogReader
+    from wrenmq.store.reader import LogReader
 
     b = serve_broker()
     data = tmp_path / "data"

@@ -81,7 +81,7 @@ def test_reads_only_records_the_broker_has_made_durable(spark, serve_broker, tmp
     # fsync interval of a minute, acknowledged QoS 1 messages are in the log files and
     # not durable; a kill -9 and a restart make them durable (the broker syncs what it
     # recovers), and the source then reads them.
-    from wrenmq.store.log import LogReader
+    from wrenmq.store.reader import LogReader
 
     conf = '[storage]\nfsync = "interval"\nfsync_interval_ms = 60000\n'
     b = serve_broker(conf)
@@ -102,7 +102,7 @@ def test_arrow_batches_match_spark_schema_and_decode_properties_once_per_block(d
     import pyarrow as pa
 
     from wrenmq.store.arrow import read_arrow
-    from wrenmq.store.log import LogReader
+    from wrenmq.store.reader import LogReader
 
     blk = props_block({"content_type": "text/plain", "user_property": [("k", "v")]})
     recs = [{"topic": f"t/{i}", "payload": b"x", "props": blk if i % 3 == 0 else b""} for i in range(10)]
@@ -286,7 +286,7 @@ def _private_log(data_dir):
 
 def test_store_read_arrow_from_an_offset_inside_a_batch_with_private_records(data_dir):
     from wrenmq.store.arrow import read_arrow
-    from wrenmq.store.log import LogReader
+    from wrenmq.store.reader import LogReader
 
     public = _private_log(data_dir)
     r = LogReader(os.path.join(data_dir, "log", "n1"))

@@ -31,7 +31,8 @@ import tempfile
 import time
 
 from ..store import format as fmt
-from ..store.log import CommitLog, LogReader
+from ..store.log import CommitLog
+from ..store.reader import LogReader
 
 _MB = 1_000_000
 

@@ -179,7 +179,7 @@ class Readers:
         self.dirs = {}  # node -> its partition directory
 
     def refresh(self):
-        from wrenmq.store.log import LogReader
+        from wrenmq.store.reader import LogReader
 
         dirs = self.dirs = list_partitions(self.root)
         for node in list(self.readers):

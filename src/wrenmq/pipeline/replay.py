@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..store.log import LogReader
+from ..store.reader import LogReader
 from ..store.store import parse_properties_block
 from .jobs import ORIGINAL_TIMESTAMP, REPLAY_OF
 from .common import list_partitions, log_root, parse_time_us, parse_topics

@@ -236,7 +236,7 @@ def _from_offset(batches, start):
 def read_partition(part, topics, fail_on_data_loss=True):
     """Yield Spark-schema RecordBatches of one planned LogPartition (runs in the workers)."""
     from wrenmq.store.arrow import read_arrow
-    from wrenmq.store.log import LogReader
+    from wrenmq.store.reader import LogReader
 
     if not os.path.isdir(part.directory):
         if fail_on_data_loss:

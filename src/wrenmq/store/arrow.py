@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .format import Batch
+from .reader import topic_matcher
 
 SCHEMA = pa.schema([
     pa.field("offset", pa.int64(), nullable=False),
@@ -86,9 +87,7 @@ def read_arrow(reader, start=0, end=None, topic_filters=None, max_rows=None):
 
     At most `max_rows` rows in total when given. Rows come in offset order.
     """
-    from .log import _matcher
-
-    match = _matcher(topic_filters)
+    match = topic_matcher(topic_filters)
     left = max_rows
     for b in reader.batches(start, end):
         rb = batch_to_arrow(b) if isinstance(b, Batch) else records_to_arrow(b)

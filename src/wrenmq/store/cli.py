@@ -14,7 +14,7 @@ import re
 import sys
 import time
 
-from .log import LogReader
+from .reader import LogReader
 
 _RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|secs|m|min|mins|h|hr|hrs|d|day|days|w|wk|wks)\s*$", re.I)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

@@ -30,7 +30,8 @@ from ..config import cluster_node_name
 from ..mqtt.codec import decode_properties, encode_varint
 from ._epoch import SEAL_BYTES, Epoch, EpochAppender, new_buffers, properties_block  # noqa: F401 (properties_block: re-exported)
 from .format import encode_batch_parts
-from .log import CommitLog, LogReader
+from .log import CommitLog
+from .reader import LogReader
 from .state import META_SET, StateDB
 
 try:  # the compiled batch encoder (setup.py builds it when a C compiler is there)

@@ -1,25 +1,12 @@
-"""The commit log: append-only segment files with sparse offset and time indexes.
+"""The commit log's writer: `CommitLog` appends to a partition, rolls segments, syncs, retains.
 
-A partition is a directory of segments named by their base offset, Kafka style:
-
-    00000000000000000000.log        record batches (see format.py)
-    00000000000000000000.index      (u32 relative offset, u32 position) per ~4 KiB of log
-    00000000000000000000.timeindex  (i64 max timestamp so far, u32 relative offset, u32 0)
-    durable                         (u64 offset below which all is fsynced, u32 CRC-32 of it),
-                                    kept by a writer that fsyncs (DURABLE_FILE)
-
-The time index entry of a batch holds the largest timestamp of that batch and of
-every batch before it in the segment, so "the first record with timestamp >= t"
-is found exactly even when clocks step back.
-
-`LogReader` reads a partition (in the broker, the CLI or a Spark worker) and
-never trusts what it reads: every batch is checked against its CRC, a damaged
-batch is salvaged record by record and the bad records are skipped and
-reported, never served; after bytes that hold no readable batch the reader
-resumes at the next intact batch (found by its magic and CRC, at the latest the
-next index entry). `CommitLog` adds the writer side: recovery on open (a torn or
-corrupt tail is truncated and reported, stale or missing indexes rebuilt),
-appends, segment rolling, syncing and retention.
+A partition is a directory of segments (segment.py) holding record batches (format.py),
+with sparse offset and time indexes per segment (index.py) and, kept by a writer that
+fsyncs, the durable mark (files.DURABLE_FILE). `CommitLog` is a `LogReader` (reader.py)
+that also writes: it opens the partition through recovery (recovery.py: a torn or
+corrupt tail truncated and reported, stale or missing indexes rebuilt), then appends,
+rolls to a new segment at `segment_bytes`, syncs and deletes old segments for retention.
+Append and sync from one thread only.
 """
 
 import errno
@@ -28,12 +15,10 @@ import mmap
 import os
 import time
 
-from .files import DURABLE_FILE, durable_bytes, fallocate, fsync_dir, read_durable, write_atomic, write_parts
-from .format import Batch
-from .index import entries_behind
+from .files import DURABLE_FILE, durable_bytes, fallocate, fsync_dir, write_parts
 from .reader import LogReader
-from .scan import Damage, Salvaged, offset_ranges, walk
-from .segment import INDEX_FILE, SEGMENT_FILE, Segment, segment_name
+from .recovery import recover, remove_orphans, sync_past_mark
+from .segment import Segment, segment_name
 
 log = logging.getLogger("wrenmq.store")
 
@@ -45,13 +30,10 @@ _BLOCK = 4096  # O_DIRECT writes: whole blocks of this size, at multiples of it,
 # The active segment's next bytes are allocated ahead of the writes, this much at a time,
 # with fallocate(FALLOC_FL_KEEP_SIZE): the file's size (what readers see) does not change,
 # and the writes land in blocks the filesystem already gave it. Growing a file block by
-# block cost the writer about a quarter more CPU on ext4 (delayed allocation per page;
-# docs/BENCHMARKS.md, stop 24). What a segment did not use is given back when it is sealed
-# or closed; a kill leaves at most this much allocated past its end.
+# block cost the writer about a quarter more CPU on ext4 (delayed allocation per page).
+# What a segment did not use is given back when it is sealed or closed; a kill leaves at
+# most this much allocated past its end.
 _RESERVE_AHEAD = 16 << 20
-
-
-# --- writing ----------------------------------------------------------------------------
 
 
 class CommitLog(LogReader):
@@ -61,7 +43,7 @@ class CommitLog(LogReader):
     each append go to the device from an aligned buffer of the log's own, and only the
     partial block at the end is written through the page cache: a buffered write copies
     every byte into page-cache pages, which cost the broker ~2 us of CPU per KiB on a VM
-    whose memory is new to it (docs/BENCHMARKS.md), O_DIRECT ~0.06. The file's bytes,
+    whose memory is new to it, O_DIRECT ~0.06. The file's bytes,
     size and durability (`sync`) are the same either way.
     """
 
@@ -93,28 +75,19 @@ class CommitLog(LogReader):
         self.sealed_sync = None
         self._durable_fd = None  # DURABLE_FILE, written after each sync (durable_marks)
         self._durable_failed = False
-        _remove_orphans(str(directory))
+        remove_orphans(str(directory))
         super().__init__(directory)
         self._recover()
         self._open_durable(durable_marks)
 
-    # --- recovery -----------------------------------------------------------
+    # --- opening and the durable mark -------------------------------------------
 
     def _recover(self):
         if not self.segments:
             self._open_segment(0)
             return
-        rebuilt = False
-        for seg in self.segments[:-1]:
-            seg.sealed = True
-            if not seg.index_ok:
-                # _describe walked the whole segment, so the entries in memory are complete.
-                log.warning("%s: index missing or inconsistent; rebuilding it", seg.log_path)
-                self._write_index(seg)
-                rebuilt = True
-        rebuilt |= self._recover_active(self.segments[-1])
-        if rebuilt:
-            fsync_dir(self.dir)
+        self.truncated_bytes += recover(self.dir, self.segments, self.index_interval)
+        self._open_files(self.segments[-1])
 
     def _open_durable(self, on):
         """Start keeping DURABLE_FILE (after making what recovery found durable), or, off,
@@ -126,19 +99,8 @@ class CommitLog(LogReader):
             except FileNotFoundError:
                 pass
             return
-        mark = read_durable(self.dir) or 0
         end = self.end_offset
-        if mark > end:
-            log.error("%s: the log ends at offset %d, below the %d it had on disk: records %d-%d were "
-                      "lost after they were durable (a reader may have read them)",
-                      self.dir, end, mark, end, mark - 1)
-        for seg in self.segments:  # a kill -9 can leave what it wrote unsynced
-            if seg.next_offset > mark and seg.size:
-                fd = os.open(seg.log_path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+        sync_past_mark(self.dir, self.segments, end)
         self._durable_fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         self.mark_durable(end)
 
@@ -154,101 +116,6 @@ class CommitLog(LogReader):
                 self._durable_failed = True
                 log.error("%s: cannot write %s (%s); readers that wait for durable records "
                           "(the Spark source) see no new ones", self.dir, DURABLE_FILE, e)
-
-    def _write_index(self, seg):
-        idx, tidx = seg.index_bytes()
-        write_atomic(seg.index_path, idx)
-        write_atomic(seg.time_path, tidx)
-        seg.index_ok = True
-
-    def _recover_active(self, seg):
-        """Check every batch of the segment written last; truncate a torn or corrupt tail.
-
-        The tail is everything after the last batch whose CRC checks out. Damage
-        followed by intact batches is not a tail: it is kept (readers skip it) and
-        reported, so acknowledged records after it are never thrown away.
-        """
-        size = os.path.getsize(seg.log_path)
-        fresh = Segment(self.dir, seg.base)
-        good = (0, seg.base, None, None, 0)  # state after the last intact batch
-        expect = seg.base
-        damaged = []
-        fd = self._open(seg)
-        try:
-            for pos, item in walk(fd, 0, size, seg.base, search_tail=False):
-                if isinstance(item, Damage):
-                    damaged.append((pos, item, expect))
-                    continue
-                if item.base > expect or isinstance(item, Salvaged):
-                    damaged.append((pos, item, expect))
-                mts = item.max_ts
-                if mts is not None:
-                    fresh.max_ts = mts if fresh.max_ts is None else max(fresh.max_ts, mts)
-                if fresh.first_ts is None:
-                    fresh.first_ts = item.first_ts
-                fresh.add_index_entry(item.base, pos, fresh.max_ts if fresh.max_ts is not None else 0,
-                                      self.index_interval)
-                expect = fresh.next_offset = max(fresh.next_offset, item.base + item.count)
-                fresh.size = pos + item.size
-                if isinstance(item, Batch):
-                    good = (fresh.size, fresh.next_offset, fresh.first_ts, fresh.max_ts,
-                            len(fresh.index_offsets))
-        finally:
-            os.close(fd)
-        good_end, next_offset, first_ts, max_ts, n_entries = good
-        for pos, item, exp in damaged:
-            if pos >= good_end:
-                continue
-            if isinstance(item, Salvaged):
-                log.error("%s: batch at position %d (offsets %d-%d): %s; damaged records: %s; kept "
-                          "(readers skip the damaged records)", seg.log_path, item.pos, item.base,
-                          item.next_offset - 1, item.reason, offset_ranges(item.bad) or "none")
-            elif isinstance(item, Damage):
-                log.error("%s: %d unreadable bytes at position %d (%s), followed by intact batches; "
-                          "kept (readers skip them)", seg.log_path, item.end - item.pos, item.pos,
-                          item.reason)
-            else:
-                log.error("%s: offsets %s missing before position %d", seg.log_path,
-                          offset_ranges(range(exp, item.base)), pos)
-        if good_end < size:
-            lost = size - good_end
-            self.truncated_bytes += lost
-            log.warning("%s: truncating %d bytes of torn or corrupt data at position %d "
-                        "(records from offset %d on were never acknowledged as durable)",
-                        seg.log_path, lost, good_end, next_offset)
-            with open(seg.log_path, "r+b") as fh:
-                fh.truncate(good_end)
-                os.fsync(fh.fileno())
-            del fresh.index_offsets[n_entries:]
-            del fresh.index_positions[n_entries:]
-            del fresh.time_ts[n_entries:]
-            del fresh.time_offsets[n_entries:]
-            fresh.last_indexed_pos = fresh.index_positions[-1] if n_entries else -1
-        seg.size = good_end
-        seg.next_offset = next_offset
-        seg.first_ts = first_ts
-        seg.max_ts = max_ts
-        seg.index_offsets, seg.index_positions = fresh.index_offsets, fresh.index_positions
-        seg.time_ts, seg.time_offsets = fresh.time_ts, fresh.time_offsets
-        seg.last_indexed_pos = fresh.last_indexed_pos
-        seg.scanned = good_end
-        rebuilt = False
-        want, have = list(seg.index_bytes()), seg.read_index()
-        if want != have:
-            behind = entries_behind(want, have)
-            if behind is not None:
-                # Entries are written behind the log (_INDEX_WRITE_EVERY): after a kill the
-                # last ones are simply not there yet.
-                log.info("%s: completing the index (%d entries behind the log)", seg.log_path, behind)
-            elif good_end or have != [b"", b""]:
-                log.warning("%s: index missing, stale or inconsistent; rebuilding it", seg.log_path)
-            self._write_index(seg)
-            rebuilt = True
-        seg.index_ok = True
-        self._open_files(seg)
-        return rebuilt
-
-    # --- writing -------------------------------------------------------------
 
     def _open_files(self, seg):
         self._close_files()
@@ -556,22 +423,6 @@ class CommitLog(LogReader):
                 pass
         log.info("retention: deleted segment %s (offsets %d-%d, %d bytes)",
                  segment_name(seg.base), seg.base, seg.next_offset - 1, seg.size)
-
-
-def _remove_orphans(directory):
-    """Index files whose segment is gone (a crash during retention) and leftover temp files."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return
-    logs = {m.group(1) for m in map(SEGMENT_FILE.match, names) if m}
-    for name in names:
-        m = INDEX_FILE.match(name)
-        if m and (name.endswith(".tmp") or m.group(1) not in logs):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
 
 
 __all__ = ["CommitLog", "LogReader"]

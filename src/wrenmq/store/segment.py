@@ -16,6 +16,7 @@ import os
 import re
 from array import array
 
+from .files import write_atomic
 from .index import entry_bytes, index_bytes, parse_index
 
 SEGMENT_FILE = re.compile(r"^(\d{20})\.log$")
@@ -83,6 +84,13 @@ class Segment:
         self.index_offsets, self.index_positions, self.time_ts, self.time_offsets = entries
         self.last_indexed_pos = self.index_positions[-1]
         return True
+
+    def write_index(self):
+        """Replace the index files with the entries in memory."""
+        idx, tidx = self.index_bytes()
+        write_atomic(self.index_path, idx)
+        write_atomic(self.time_path, tidx)
+        self.index_ok = True
 
     def reset_index(self):
         self.index_offsets = array("q")

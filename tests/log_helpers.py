@@ -1,9 +1,11 @@
 """Building commit logs with known contents, for the log tests (real files, no mocks)."""
 
+import os
 import random
+import struct
 import zlib
 
-from wrenmq.store.format import HEADER, Record, encode_batch
+from wrenmq.store.format import HEADER, Batch, Record, encode_batch, legacy_record_crc, read_prefix
 from wrenmq.store.log import CommitLog
 
 T0 = 1_750_000_000_000_000  # microseconds
@@ -19,6 +21,48 @@ def batch_crc_algo(data):
 
     assert crc32c.crc32c(bytes(data[12:])) == crc, "batch CRC is neither CRC-32 nor CRC-32C"
     return lambda b: crc32c.crc32c(bytes(b))
+
+
+def crc32_checksums(data):
+    """Rewrite the record and batch checksums of the batch `data` (a bytearray) as CRC-32
+    (zlib); returns it."""
+    b = Batch(bytes(data), verify=False)
+    crc_at = b.columns()["crc"][0]
+    for i, r in enumerate(b.records()):
+        struct.pack_into("<I", data, crc_at + 4 * i, legacy_record_crc(r.topic.encode(), r.client_id.encode(),
+                                                                       r.properties, r.payload))
+    struct.pack_into("<I", data, 8, zlib.crc32(bytes(data[12:])))
+    return data
+
+
+def as_v1(data, crc32):
+    """The batch `data` as an older wrenmq wrote it: magic WRN1, with CRC-32 (zlib) checksums
+    everywhere (`crc32`: the first releases) or CRC-32C ones (the releases after the switch
+    to CRC-32C, which kept the magic)."""
+    data = bytearray(data)
+    data[:4] = b"WRN1"
+    if crc32:
+        crc32_checksums(data)
+    return bytes(data)
+
+
+def rewrite_as_v1(directory, crc32):
+    """Every batch of the log in `directory` (whole, undamaged) as `as_v1` makes it."""
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".log"):
+            continue
+        path = os.path.join(directory, name)
+        with open(path, "rb") as fh:
+            data = fh.read()
+        out = []
+        pos = 0
+        while pos < len(data):
+            size = read_prefix(data, pos)
+            assert size is not None, f"{path}: no batch at position {pos}"
+            out.append(as_v1(data[pos:pos + size], crc32))
+            pos += size
+        with open(path, "wb") as fh:
+            fh.write(b"".join(out))
 
 
 def make_records(rng, base, n, ts, *, empty=False):

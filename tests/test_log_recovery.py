@@ -8,15 +8,16 @@ that readers skip exactly the damaged records, count them and never serve them.
 import logging
 import re
 import struct
+import subprocess
 import time
 
 import pyarrow as pa
 import pytest
 
-from conftest import get_messages, paho_client, subscribe
-from log_helpers import Built
+from conftest import WRENMQ, get_messages, paho_client, subscribe
+from log_helpers import Built, as_v1, crc32_checksums, rewrite_as_v1
 from wrenmq.store.arrow import SCHEMA, read_arrow
-from wrenmq.store.format import Batch
+from wrenmq.store.format import BadRecord, Batch, CorruptBatch
 from wrenmq.store.log import CommitLog
 from wrenmq.store.reader import LogReader
 
@@ -225,7 +226,7 @@ def test_unreadable_batch_header_skips_to_the_next_batch(built, caplog, how):
     path = built.seg_path(seg)
     with open(path, "r+b") as fh:
         fh.seek(pos)
-        fh.write(b"WRN2" + (struct.pack("<I", 12345) if how == "bad-magic-and-length" else b""))
+        fh.write(b"WRN9" + (struct.pack("<I", 12345) if how == "bad-magic-and-length" else b""))
     bad = set(range(base, base + count))
     reader = LogReader(built.dir)
     logged = _check_skips_exactly(built, reader, bad, caplog)
@@ -256,7 +257,7 @@ def test_torn_batch_in_the_active_segment_is_not_searched_for_batches(tmp_path, 
     path = built.seg_path(seg)
     with open(path, "ab") as fh:
         fh.write(carrier[:len(carrier) - 16])  # cut short: the forged batches are all there
-    assert path.read_bytes().count(b"WRN1") > len(built.batches) + 1
+    assert path.read_bytes().count(b"WRN2") > len(built.batches) + 1
     with caplog.at_level(logging.WARNING, "wrenmq.store"):
         log = CommitLog(built.dir, 1 << 20, 1024)
     assert f"truncating {len(carrier) - 16} bytes" in _warnings(caplog)
@@ -411,47 +412,94 @@ def test_broker_starts_on_a_torn_tail_and_reports_it(tmp_path, serve_broker):
     assert reader.verify() == []
 
 
-# --- logs from before CRC-32C -------------------------------------------------------------------
+# --- older format versions --------------------------------------------------------------------
 
 
-def _to_crc32(data):
-    """The same batch as a wrenmq from before CRC-32C wrote it (zlib CRC-32 everywhere)."""
-    import zlib
-
-    from wrenmq.store.format import legacy_record_crc
-
-    data = bytearray(data)
-    b = Batch(bytes(data), verify=False)
-    crc_at = b.columns()["crc"][0]
-    for i, r in enumerate(b.records()):
-        struct.pack_into("<I", data, crc_at + 4 * i, legacy_record_crc(r.topic.encode(), r.client_id.encode(),
-                                                                       r.properties, r.payload))
-    struct.pack_into("<I", data, 8, zlib.crc32(bytes(data[12:])))
-    return bytes(data)
-
-
-def test_a_log_written_with_crc32_stays_readable_and_is_not_truncated(built, caplog):
-    """The checksums changed from CRC-32 to CRC-32C: a log written before must neither read
-    as corrupt nor be cut off as a corrupt tail by the next start."""
-    for seg, pos, base, count, size in built.batches:
+def _rewrite(built, batches, convert):
+    for seg, pos, base, count, size in batches:
         path = built.seg_path(seg)
         raw = path.read_bytes()
-        path.write_bytes(raw[:pos] + _to_crc32(raw[pos:pos + size]) + raw[pos + size:])
+        new = convert(raw[pos:pos + size])
+        assert len(new) == size
+        path.write_bytes(raw[:pos] + new + raw[pos + size:])
+
+
+def _magics(built):
+    return [built.seg_path(seg).read_bytes()[pos:pos + 4] for seg, pos, *_ in built.batches]
+
+
+@pytest.mark.parametrize("crc32", [True, False], ids=["WRN1-crc32", "WRN1-crc32c"])
+def test_an_older_log_stays_readable_and_takes_new_batches_after_an_upgrade(built, tmp_path, caplog, crc32):
+    """Users' disks hold WRN1 logs with CRC-32 checksums and WRN1 logs with CRC-32C ones: both
+    must neither read as corrupt (records, Arrow, verify, `wrenmq log verify`) nor be cut off
+    as a corrupt tail by the next start; the upgraded writer appends WRN2 batches after them
+    and the log reads whole."""
+    rewrite_as_v1(built.dir, crc32)
+    old = len(built.batches)
     reader = LogReader(built.dir)
     assert list(reader.records()) == built.records and reader.corrupt_records == 0
     assert reader.verify() == []
     with caplog.at_level(logging.WARNING, "wrenmq.store"):
         built.log = CommitLog(built.dir, 8192, 1024)
     assert built.log.truncated_bytes == 0 and "truncating" not in _warnings(caplog)
-    built.append(5)  # new batches (CRC-32C) after old ones
+    built.fill(30)  # (past the last WRN1 segment: WRN2 after WRN1 in one segment, then WRN2 only)
     built.close()
-    assert list(LogReader(built.dir).records()) == built.records
+    assert _magics(built) == [b"WRN1"] * old + [b"WRN2"] * (len(built.batches) - old)
+    assert built.batches[old][0] == built.batches[old - 1][0] and built.batches[-1][0] > built.batches[old][0]
+    reader = LogReader(built.dir)
+    assert list(reader.records()) == built.records and reader.corrupt_records == 0
+    assert reader.verify() == []
+    table = pa.Table.from_batches(list(read_arrow(reader)), schema=SCHEMA)
+    assert table.column("offset").to_pylist() == [r.offset for r in built.records]
+    assert table.column("payload").to_pylist() == [r.payload for r in built.records]
+    (tmp_path / "data" / "log").mkdir(parents=True)
+    (tmp_path / "data" / "log" / "node").symlink_to(built.dir)
+    r = subprocess.run([WRENMQ, "log", "verify", "--data-dir", str(tmp_path / "data")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and f"{len(built.records)} records" in r.stdout, r.stdout + r.stderr
     # Salvage works on old batches too: one damaged record, the others served.
     seg, (_, pos, base, count, size) = _sealed_middle_batch(built)
+    assert _magics(built)[built.batches.index((seg, pos, base, count, size))] == b"WRN1"
     path = built.seg_path(seg)
     k = next(i for i in range(count) if built.records[base + i].payload)
     _flip(path, _payload_pos(path, pos, k))
     _check_skips_exactly(built, LogReader(built.dir), {base + k}, caplog)
+    # Its header damaged too: readers find the next old batch by its magic and read on there.
+    with open(path, "r+b") as fh:
+        fh.seek(pos)
+        fh.write(b"WRN9")
+    _check_skips_exactly(built, LogReader(built.dir), set(range(base, base + count)), caplog)
+
+
+def test_a_new_batch_with_crc32_checksums_is_corrupt(built, caplog):
+    """CRC-32 checksums are accepted in WRN1 batches only: a WRN2 batch whose checksums are
+    CRC-32 (damage that happens to fit them, or bytes someone forged) is not read. Its
+    records are skipped and reported, `verify` names them, and at the end of the log the
+    next start truncates it as a corrupt tail."""
+    seg, batch = _sealed_middle_batch(built)
+    _, pos, base, count, size = batch
+    raw = built.seg_path(seg).read_bytes()
+    converted = crc32_checksums(bytearray(raw[pos:pos + size]))
+    assert converted[:4] == b"WRN2"
+    with pytest.raises(CorruptBatch):
+        Batch(bytes(converted))
+    assert all(isinstance(r, BadRecord) for r in Batch(bytes(converted), verify=False).records(check_records=True))
+    assert Batch(as_v1(raw[pos:pos + size], crc32=True)).count == count  # (the same checksums in WRN1)
+    _rewrite(built, [batch], lambda data: bytes(converted))
+    path = built.seg_path(seg)
+    logged = _check_skips_exactly(built, LogReader(built.dir), set(range(base, base + count)), caplog)
+    assert f"{path}: batch at position {pos}" in logged
+    problems = LogReader(built.dir).verify()
+    assert len(problems) == 1 and f"{path}: batch at position {pos}" in problems[0]
+    # The last batch of the log: a corrupt tail.
+    last = built.batches[-1]
+    _rewrite(built, [last], lambda data: bytes(crc32_checksums(bytearray(data))))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "wrenmq.store"):
+        log = CommitLog(built.dir, 8192, 1024)
+    assert log.truncated_bytes == last[4] and log.end_offset == last[2]
+    assert f"truncating {last[4]} bytes of torn or corrupt data at position {last[1]}" in _warnings(caplog)
+    log.close()
 
 
 def test_index_entries_written_behind_are_completed_quietly(tmp_path, caplog):

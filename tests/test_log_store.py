@@ -50,7 +50,7 @@ def test_batch_round_trip_and_arrow_equal_per_record(base, rows):
     assert len(data) % 8 == 0
     assert read_prefix(data) == len(data)
     magic, length, _, hbase, count, first_ts, max_ts, attrs, _ = HEADER.unpack_from(data)
-    assert (magic, length + 8, hbase, count) == (b"WRN1", len(data), base, len(recs))
+    assert (magic, length + 8, hbase, count) == (b"WRN2", len(data), base, len(recs))
     assert first_ts == recs[0].timestamp and max_ts == max(r.timestamp for r in recs) and attrs == 0
     b = Batch(data)
     assert (b.base, b.count, b.next_offset, b.size) == (base, len(recs), base + len(recs), len(data))

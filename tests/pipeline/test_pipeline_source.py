@@ -306,3 +306,18 @@ def test_source_skips_private_records_and_reads_exact_ranges_around_them(spark, 
         df = (spark.read.format("wrenmq").option("startingOffsets", json.dumps({"n1": start}))
               .option("endingOffsets", json.dumps({"n1": end})).load(data_dir))
         assert sorted(r["offset"] for r in df.select("offset").collect()) == [o for o in public if start <= o < end]
+
+
+@pytest.mark.parametrize("crc32", [True, False], ids=["WRN1-crc32", "WRN1-crc32c"])
+def test_batch_read_of_a_log_an_older_version_began(spark, data_dir, crc32):
+    """A log whose first batches an older wrenmq wrote (format WRN1, with CRC-32 or CRC-32C
+    checksums) and the rest this one (WRN2) reads whole through the data source."""
+    from log_helpers import rewrite_as_v1
+
+    recs = telemetry(300)
+    write_log(data_dir, "n1", recs[:200], per_batch=50)
+    rewrite_as_v1(os.path.join(data_dir, "log", "n1"), crc32)
+    write_log(data_dir, "n1", recs[200:], per_batch=50)
+    rows = spark.read.format("wrenmq").load(data_dir).orderBy("offset").collect()
+    assert [r.offset for r in rows] == list(range(300))
+    assert [bytes(r.payload) for r in rows] == [r["payload"].encode() for r in recs]

@@ -264,10 +264,9 @@ cdef extern from *:
         }
         return 0;
     }
-    /* A batch's first 12 bytes: magic, length, checksum (format.py; a little-endian
-       machine, as format.py requires). */
-    static void wrenmq_put_prefix(char *buf, uint32_t length, uint32_t crc) {
-        memcpy(buf, "WRN1", 4);
+    /* A batch's length and checksum, after its magic (format.py, which the encoder
+       copies the magic from; a little-endian machine, as format.py requires). */
+    static void wrenmq_put_length_crc(char *buf, uint32_t length, uint32_t crc) {
         memcpy(buf + 4, &length, 4);
         memcpy(buf + 8, &crc, 4);
     }
@@ -302,7 +301,7 @@ cdef extern from *:
     int wrenmq_iovec_is_two_words() nogil
     int wrenmq_writev_all(int fd, unsigned long long *words, int n) nogil
     const char *wrenmq_zeros() nogil
-    void wrenmq_put_prefix(char *buf, unsigned int length, unsigned int crc) nogil
+    void wrenmq_put_length_crc(char *buf, unsigned int length, unsigned int crc) nogil
     void wrenmq_get_fixed(const char *f, long long *ts, long long *start, unsigned int *lr,
                           unsigned int *lp, unsigned short *lt, unsigned short *lc,
                           unsigned short *pid, unsigned char *flags) nogil

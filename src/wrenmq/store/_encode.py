@@ -17,7 +17,7 @@ from array import array
 
 import cython
 
-from .format import _TAIL, MAX_BATCH_BYTES
+from .format import HEADER_TAIL, MAGIC, MAX_BATCH_BYTES
 
 COMPILED = cython.compiled
 # Checksums with the CRC-32C instruction (else the portable loop of _encode.pxd).
@@ -125,7 +125,9 @@ def _encode(epochs: list, prepare):
     out_len: cython.Py_ssize_t = size - e3 if own else size + pad
     out = PyBytes_FromStringAndSize(cython.NULL, out_len)  # noqa: F821 (_encode.pxd)
     buf: cython.p_char = PyBytes_AS_STRING(out)  # noqa: F821
-    header: bytes = _TAIL.pack(epochs[0].base, n, first_ts, max_ts, 0, 0)
+    magic: bytes = MAGIC
+    memcpy(buf, cython.cast(cython.p_char, magic), 4)  # noqa: F821
+    header: bytes = HEADER_TAIL.pack(epochs[0].base, n, first_ts, max_ts, 0, 0)
     memcpy(buf + 12, cython.cast(cython.p_char, header), 36)  # noqa: F821
     fd: cython.int = -1
     if prepare is not None:
@@ -205,7 +207,7 @@ def _encode(epochs: list, prepare):
             batch_crc = wrenmq_crc32c(batch_crc, wrenmq_zeros(), pad)  # noqa: F821
             if not own:
                 memset(buf + size, 0, pad)  # noqa: F821
-        wrenmq_put_prefix(buf, length, batch_crc)  # noqa: F821
+        wrenmq_put_length_crc(buf, length, batch_crc)  # noqa: F821
         if fd >= 0:
             iov_v[0] = cython.cast(cython.ulonglong, buf)
             iov_v[1] = out_len

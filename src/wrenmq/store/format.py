@@ -2,7 +2,7 @@
 
 One batch holds the records of one group commit. Layout (little-endian):
 
-    0   magic      4s  b"WRN1"
+    0   magic      4s  b"WRN2" (the format version, see below)
     4   length     u32 bytes after this field (the batch is 8 + length bytes, a multiple of 8)
     8   crc        u32 CRC-32C of bytes [12, 8 + length)
     12  base       i64 offset of the first record (offsets are dense: base + i)
@@ -28,9 +28,21 @@ let a damaged batch be salvaged record by record and let `wrenmq log verify`
 name the exact offsets that are bad. The offsets columns are Arrow's binary
 layout, so a reader builds Arrow arrays over the batch bytes without copying.
 Checksums are CRC-32C (Castagnoli, as in Kafka's record batches), computed with
-the hardware instruction by `crc32c`. Logs written before that change carry
-CRC-32 (zlib) in the same places; readers accept either, so such a log stays
-readable and a recovering writer does not take it for a corrupt tail.
+the hardware instruction by `crc32c`.
+
+Format versions, told apart by the magic (the layout above is the same in both):
+
+    WRN2  checksums are CRC-32C. What this version writes; a reader takes nothing
+          else for a WRN2 batch's checksums.
+    WRN1  the first version. Its checksums are CRC-32 (zlib) in logs written by the
+          first releases and CRC-32C in logs written after the switch to CRC-32C,
+          which kept the magic; both kinds are on users' disks, so a WRN1 batch (and
+          each of its records) checks out if either checksum matches.
+
+A log can hold both: a writer appends WRN2 batches after the WRN1 ones an older
+version left, and every reader (the scanners, `LogReader`, recovery, `wrenmq log`,
+Arrow and the Spark source) reads each batch by its own magic. A new version gets a
+new magic beginning with `MAGIC_STEM`, which is what the scanners search for.
 """
 
 import struct
@@ -44,10 +56,12 @@ from itertools import accumulate
 # hand-overs per logged record between the writer thread and the event loop).
 from crc32c import crc32c as _crc
 
-MAGIC = b"WRN1"
+MAGIC = b"WRN2"  # the version written
+MAGIC_V1 = b"WRN1"  # read only: CRC-32 or CRC-32C checksums
+MAGIC_STEM = b"WRN"  # how every version's magic begins (what a search for batches looks for)
 HEADER = struct.Struct("<4sIIqIqqII")
 HEADER_SIZE = HEADER.size  # 48
-_TAIL = struct.Struct("<qIqqII")
+HEADER_TAIL = struct.Struct("<qIqqII")  # the header after magic, length and crc
 _PREFIX = struct.Struct("<4sI")
 MAX_BATCH_BYTES = 1 << 30
 
@@ -90,7 +104,7 @@ def record_crc(topic, client, props, payload):
 
 
 def legacy_record_crc(topic, client, props, payload):
-    """The CRC-32 (zlib) record checksum of logs written before CRC-32C."""
+    """The CRC-32 (zlib) record checksum of the first WRN1 logs."""
     crc32 = zlib.crc32
     return crc32(payload, crc32(props, crc32(client, crc32(topic))))
 
@@ -122,7 +136,7 @@ def encode_batch_parts(base, timestamps, flags, topics, clients, props, payloads
     length = size + pad - 8
     if length + 8 > MAX_BATCH_BYTES:
         raise ValueError("batch too large")
-    tail = b"".join([_TAIL.pack(base, n, timestamps[0], max(timestamps), 0, 0), *cols,
+    tail = b"".join([HEADER_TAIL.pack(base, n, timestamps[0], max(timestamps), 0, 0), *cols,
                      *topics, *clients, *props, *payloads, b"\0" * pad])
     return _PREFIX.pack(MAGIC, length) + struct.pack("<I", _crc(tail)), tail
 
@@ -139,7 +153,9 @@ def read_prefix(buf, pos=0):
     if len(buf) - pos < 8:
         return None
     magic, length = _PREFIX.unpack_from(buf, pos)
-    if magic != MAGIC or length < HEADER_SIZE - 8 or length + 8 > MAX_BATCH_BYTES or length % 8:
+    if magic != MAGIC and magic != MAGIC_V1:
+        return None
+    if length < HEADER_SIZE - 8 or length + 8 > MAX_BATCH_BYTES or length % 8:
         return None
     return length + 8
 
@@ -147,7 +163,7 @@ def read_prefix(buf, pos=0):
 class Batch:
     """A view over one batch's bytes; columns are read lazily."""
 
-    __slots__ = ("buf", "pos", "size", "base", "count", "first_ts", "max_ts", "_cols")
+    __slots__ = ("buf", "pos", "size", "base", "count", "first_ts", "max_ts", "v1", "_cols")
 
     def __init__(self, buf, pos=0, verify=True):
         size = read_prefix(buf, pos)
@@ -155,7 +171,7 @@ class Batch:
             raise CorruptBatch("no batch header")
         if pos + size > len(buf):
             raise CorruptBatch("batch runs past the end of the data")
-        _, _, crc, base, count, first_ts, max_ts, _, _ = HEADER.unpack_from(buf, pos)
+        magic, _, crc, base, count, first_ts, max_ts, _, _ = HEADER.unpack_from(buf, pos)
         self.buf = buf
         self.pos = pos
         self.size = size
@@ -163,11 +179,12 @@ class Batch:
         self.count = count
         self.first_ts = first_ts
         self.max_ts = max_ts
+        self.v1 = magic == MAGIC_V1  # (its checksums may be CRC-32)
         self._cols = None
         if verify:
             with memoryview(buf) as mv:  # (no copy of the batch for its checksum)
                 data = mv[pos + 12:pos + size]
-                bad = _crc(data) != crc and zlib.crc32(data) != crc  # (CRC-32: a log from before CRC-32C)
+                bad = _crc(data) != crc and not (self.v1 and zlib.crc32(data) == crc)
                 data.release()
             if bad:
                 raise CorruptBatch(f"batch at offset {base}: CRC mismatch")
@@ -238,6 +255,7 @@ class Batch:
             # (records of one batch come from one group commit, so their times are close).
             hi = self.max_ts
             lo = self.first_ts - max(0, hi - self.first_ts) - 1_000_000
+            v1 = self.v1
         for i in range(max(0, first), self.count):
             topic = bytes(mv[tb + to[i]:tb + to[i + 1]])
             client = bytes(mv[cb + co[i]:cb + co[i + 1]])
@@ -246,7 +264,7 @@ class Batch:
             f = flags[i]
             if check_records and (
                     (record_crc(topic, client, props, payload) != crcs[i]
-                     and legacy_record_crc(topic, client, props, payload) != crcs[i])
+                     and not (v1 and legacy_record_crc(topic, client, props, payload) == crcs[i]))
                     or f & ~15 or f & 3 == 3 or not lo <= ts[i] <= hi
                     or (i == 0 and ts[0] != self.first_ts)
                     or to[i] > to[i + 1] or co[i] > co[i + 1] or po[i] > po[i + 1] or yo[i] > yo[i + 1]):

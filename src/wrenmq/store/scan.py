@@ -11,7 +11,8 @@ readable batch the walk resumes at the next intact batch, found by its magic and
 import os
 import struct
 
-from .format import HEADER, HEADER_SIZE, MAGIC, MAX_BATCH_BYTES, Batch, BadRecord, CorruptBatch, read_prefix
+from .format import (HEADER, HEADER_SIZE, MAGIC, MAGIC_STEM, MAGIC_V1, MAX_BATCH_BYTES, Batch, BadRecord,
+                     CorruptBatch, read_prefix)
 
 READ_CHUNK = 1 << 20  # bytes read at a time while walking or searching
 
@@ -89,7 +90,7 @@ def salvage(buf, rel, pos, size, expect):
 def find_batch(fd, start, limit, end, expect=None):
     """The first 8-aligned position in [start, limit) where an intact batch begins.
 
-    Intact: magic, a sane length within `end`, a good CRC and (if `expect` is given)
+    Intact: a magic of any version (format.py), a sane length within `end`, a good CRC and (if `expect` is given)
     a base offset >= expect. None if there is none.
     """
     pos = start + (-start % 8)
@@ -98,7 +99,7 @@ def find_batch(fd, start, limit, end, expect=None):
         chunk = os.pread(fd, n + 8, pos)
         if not chunk:
             return None
-        i = chunk.find(MAGIC)
+        i = chunk.find(MAGIC_STEM)
         while 0 <= i < n:
             if not i % 8:
                 cand = pos + i
@@ -114,7 +115,7 @@ def find_batch(fd, start, limit, end, expect=None):
                         else:
                             if expect is None or b.base >= expect:
                                 return cand
-            i = chunk.find(MAGIC, i + 1)
+            i = chunk.find(MAGIC_STEM, i + 1)
         pos += n
     return None
 
@@ -123,7 +124,7 @@ def _repair_length(fd, pos, end):
     """The batch at `pos` if only its length field is damaged (its columns give its true
     size and its CRC checks out over that size), else None."""
     head = os.pread(fd, HEADER_SIZE, pos)
-    if len(head) < HEADER_SIZE or head[:4] != MAGIC:
+    if len(head) < HEADER_SIZE or head[:4] not in (MAGIC, MAGIC_V1):
         return None
     n = HEADER.unpack_from(head)[4]
     fixed = HEADER_SIZE + 8 * n + 4 * n + 16 * (n + 1) + 2 * n + n
@@ -213,7 +214,7 @@ def walk(fd, pos, end, expect=None, bound=None, search_tail=True):
                     expect = b.base + b.count
                     pos += size
                     continue
-        if buf[rel:rel + 4] == MAGIC:
+        if buf[rel:rel + 4] in (MAGIC, MAGIC_V1):
             b = _repair_length(fd, pos, end)
             if b is not None and (expect is None or b.base >= expect):
                 yield pos, Salvaged(pos, b.size, b.base, b.count, list(b.records()), [],

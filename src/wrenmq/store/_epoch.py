@@ -295,7 +295,7 @@ class TopicLog:
     on the object it already holds, with five positional arguments: a bound method of
     the store kept on the router cost the event loop a method lookup through the
     router's instance dictionary per message, and the topic one more argument
-    (callgrind, docs/BENCHMARKS.md, stop 19).
+    (callgrind).
     """
 
     def __init__(self, store, topic):

@@ -57,8 +57,8 @@ def batch_to_arrow(batch):
 
 
 def records_to_arrow(records):
-    records = [r for r in records if not r.private]
     """Salvaged records (a list of format.Record) as a RecordBatch; the slow path."""
+    records = [r for r in records if not r.private]
     return pa.RecordBatch.from_arrays([
         pa.array([r.offset for r in records], pa.int64()),
         pa.array([r.timestamp for r in records], pa.timestamp("us", tz="UTC")),

@@ -425,4 +425,4 @@ class CommitLog(LogReader):
                  segment_name(seg.base), seg.base, seg.next_offset - 1, seg.size)
 
 
-__all__ = ["CommitLog", "LogReader"]
+__all__ = ["CommitLog"]

@@ -334,9 +334,10 @@ class LogReader:
                 continue
             path = seg.log_path
             if prev is not None and seg.base != prev:
+                gap = (f" (offsets {offset_ranges(range(prev, seg.base))} missing)" if seg.base > prev
+                       else " (overlap)")
                 problems.append(f"{path}: starts at offset {seg.base}, but the segment before it ends "
-                                f"at offset {prev - 1}" + (f" (offsets {offset_ranges(range(prev, seg.base))} missing)"
-                                                           if seg.base > prev else " (overlap)"))
+                                f"at offset {prev - 1}{gap}")
             starts = {}
             expect = seg.base
             damage = None

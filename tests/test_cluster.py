@@ -200,7 +200,7 @@ def open_link(cl, port, log_id, log_from, run):
         got = reader.feed(sock.recv(4096))
     kind, body = got[0]
     assert kind == F.RESUME
-    return sock, F.decode_resume(body)
+    return sock, F.decode_resume(body)[0]
 
 
 # --- across nodes ---------------------------------------------------------------------------
@@ -528,7 +528,11 @@ class SlowLink:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
-            out = socket.create_connection(("127.0.0.1", self.target))
+            try:
+                out = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:  # (not listening yet: refused, as the target itself would)
+                conn.close()
+                continue
             self.socks += [conn, out]
             threading.Thread(target=self._pump, args=(conn, out, self.delay), daemon=True).start()
             threading.Thread(target=self._pump, args=(out, conn, 0), daemon=True).start()
@@ -1701,8 +1705,9 @@ def test_hello_resume_round_trip_and_bad_frames():
     kind, body = F.FrameReader(1024).feed(F.encode_hello("c", "n", "s", "0123abcd", 4096, "r"))[0]
     assert kind == F.HELLO and F.decode_hello(body) == ("c", "n", "s", "0123abcd", 4096, "r")
     for offset in (-1, 0, 2**40):
-        kind, body = F.FrameReader(1024).feed(F.encode_resume(offset))[0]
-        assert kind == F.RESUME and F.decode_resume(body) == offset
+        kind, body = F.FrameReader(1024).feed(F.encode_resume(offset, 77))[0]
+        assert kind == F.RESUME and F.decode_resume(body) == (offset, 77)
+    assert F.decode_resume(b'{"offset": 5}') == (5, 0)  # (a node that does not say where its filters are)
     with pytest.raises(F.FrameError):
         F.decode_resume(b'{"offset": "x"}')
     for group, flt, online, removed in ((None, "a/+/#", True, False), ("g", "s/#", False, False),

@@ -4,7 +4,8 @@ A link carries frames `u32 length | u8 kind | body` (the length counts kind and
 body). The first frame on a link is HELLO (JSON: cluster, node, secret, the
 identity of the sender's commit log, the first offset this run of the sender wrote
 and an identity of the run); the receiving node answers RESUME (how far in that
-log it has what was sent to it). A message travels as FORWARD: a small binary
+log it has what was sent to it, and the etcd revision by which its filters are all
+in etcd, which the sender reads up to before it replays). A message travels as FORWARD: a small binary
 header (its offset in the sender's log or -1, what the receiver does with it, the
 publisher's client id and arrival time, the shared groups it is for) followed by
 the message as an MQTT 5 PUBLISH, so properties, QoS, retain and the remaining
@@ -26,8 +27,9 @@ HELLO = 1
 FORWARD = 2
 SESSION_ASK = 3  # "hand me client X's session": JSON {"id", "cid"}
 SESSION = 4  # the answer: JSON state, then the messages it owes as PUBLISHes
-RESUME = 5  # answer to HELLO: JSON {"offset"}: the last offset of the sender's log received here,
-# -1 (none known: the sender decides) or -2 (nothing from before the sender last learned of this node)
+RESUME = 5  # answer to HELLO: JSON {"offset", "announced"}: the last offset of the sender's log received
+# here, -1 (none known: the sender decides) or -2 (nothing from before the sender last learned of this
+# node); and the etcd revision by which this node's filters are all in etcd (the replay waits for it)
 ROUTE = 6  # a filter the sender's clients now subscribe to (or no longer), ahead of etcd:
 #           JSON {"seq", "group", "filter", "online"[, "removed": true]}
 ROUTE_ACK = 7  # the receiver applied the sender's ROUTEs up to JSON {"seq"}
@@ -98,12 +100,16 @@ def decode_hello(body):
         int(h.get("from", 0)), str(h.get("run", ""))))
 
 
-def encode_resume(offset):
-    return _json_frame(RESUME, {"offset": offset})
+def encode_resume(offset, announced=0):
+    """`offset`: the last offset of the sender's log the receiver has (or -1, -2: RESUME
+    above); `announced`: the etcd revision of the receiver's last write there, by which
+    its filters are all in etcd (the sender's replay waits until it has read that far)."""
+    return _json_frame(RESUME, {"offset": offset, "announced": announced})
 
 
 def decode_resume(body):
-    return _json_fields(body, "RESUME", lambda r: int(r["offset"]))
+    """(offset, announced); announced 0 from a node that does not say."""
+    return _json_fields(body, "RESUME", lambda r: (int(r["offset"]), int(r.get("announced", 0))))
 
 
 def encode_mark(offset):

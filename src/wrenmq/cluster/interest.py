@@ -115,8 +115,9 @@ class LocalInterest:
 class RemoteInterest:
     """The other nodes' filters, matched per topic (cached until they change).
 
-    Changes come from the links (`linked`) and from etcd (`put`, `deleted`); `add` and
-    `remove` apply one without asking where it came from."""
+    Changes come from the links (`linked`), from etcd's watch (`put`, `deleted`) and from
+    a direct read of etcd (`read`, before a replay to the node); `add` and `remove` apply
+    one without asking where it came from."""
 
     __slots__ = ("_normal", "_shared", "_cache", "by_node", "_told", "_removals")
 
@@ -127,8 +128,8 @@ class RemoteInterest:
         self._shared = TopicTrie()  # filter -> {(share name, node): (filter, has a connected member)}
         self._cache = {}
         self.by_node = {}  # node -> set of (group, filter), to drop a node at once
-        # (node, group, filter) -> (seq, present, online): the last change a link told
-        # that etcd has not yet said (or said something older than).
+        # (node, group, filter) -> (seq, present, online): the last change a link told (or
+        # a read of etcd found) that the watch has not yet said (or said something older than).
         self._told = {}
         self._removals = deque()  # keys of removals in _told, oldest first (some since replaced)
 
@@ -160,6 +161,19 @@ class RemoteInterest:
             if told[0] > seq:
                 return  # a link said something newer
             del self._told[key]
+        self.add(node, group, flt, online)
+
+    def read(self, node, group, flt, online, seq):
+        """A read of etcd (not the watch) found `node`'s filter, as of its change `seq`.
+
+        Kept as a link's news is: the watch may still bring older events of that key (a
+        delete before the node wrote it again), which must not undo it; a link that told
+        something newer wins."""
+        key = (node, group, flt)
+        told = self._told.get(key)
+        if told is not None and told[0] >= seq:
+            return
+        self._told[key] = (seq, True, online)
         self.add(node, group, flt, online)
 
     def deleted(self, node, group, flt, seq):

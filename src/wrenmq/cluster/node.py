@@ -29,7 +29,9 @@ state database too, with disk storage) and drops any it has had. When a link
 comes up (after a failure, a restart of either side, or a `kill -9` of the
 sender), the receiver says in RESUME how far it got, and the sender replays from
 its log what matches the receiver's filters from there before it goes live, and
-the shared groups' messages it had chosen that node for (GroupsSent). A link that
+the shared groups' messages it had chosen that node for (GroupsSent). The receiver
+answers the HELLO once its filters are in etcd, and the sender makes sure it knows
+them before the replay passes over anything (`_routes_known`). A link that
 falls behind by [cluster] link_buffer does the same once it drains, instead of
 dropping: the log, not memory, holds the backlog.
 """
@@ -154,6 +156,16 @@ class GroupsSent:
             groups.pop(order.popleft(), None)
 
 
+def _written_at(responses):
+    """The etcd revision of a transaction's writes (from its responses), 0 if none."""
+    revision = 0
+    for r in responses:
+        for field in ("response_put", "response_delete_range"):
+            if r.HasField(field):
+                revision = max(revision, getattr(r, field).header.revision)
+    return revision
+
+
 def _own_filters(session):
     """A session's filters that are its own (not a shared group's, not $SYS)."""
     return tuple(sub.filter for sub in session.subscriptions.values()
@@ -258,7 +270,7 @@ class _InLink(asyncio.Protocol):
                     self.transport.write(F.encode_route_ack(seq))
                 elif kind == F.HELLO and self.peer is None:
                     self.peer, self.mark, resume = cluster._hello(body)
-                    self.transport.write(F.encode_resume(resume))
+                    cluster._resume(self, resume)
                     self.timer.cancel()
                     self.reader.max_frame = max(cluster.max_frame, cluster.link_buffer + 65536)
                 else:
@@ -358,6 +370,13 @@ class Cluster:
         self.handed_over = 0  # sessions this node gave to another
         self.taken_over = 0  # sessions this node took from another
         self.etcd_up = False
+        self.revision = 0  # how far this node has read etcd (the watch, or a full read)
+        self.written = 0  # the etcd revision of this node's last write there
+        # The etcd revision by which this node's filters were all in etcd when it last
+        # (re)joined; None while it (re)joins: HELLOs wait for it (`_resume`), so a node
+        # replaying to this one can know its filters first (`_routes_known`).
+        self.announced = None
+        self._resumes_due = []  # (_InLink, offset) of HELLOs waiting for `announced`
         self._asks = {}  # request id -> (future of a SESSION answer, the client id asked for)
         self._dirty = []  # peers with frames in `out`
         self._flush_scheduled = False
@@ -415,7 +434,11 @@ class Cluster:
         if cfg.tls:
             self.tls_server, self.tls_client = _tls_contexts(cfg)
             self._link_port = _LinkPort(self)
-        self.server = await self.loop.create_server(self._accept, cfg.bind, cfg.port)
+        # Bound now (its port is the advertised address), accepting once the node name is
+        # this node's (`_register`): a node restarted after a crash waits for its old
+        # registration to run out first, and the others, which still count that one in,
+        # are refused meanwhile rather than kept waiting for a RESUME.
+        self.server = await self.loop.create_server(self._accept, cfg.bind, cfg.port, start_serving=False)
         port = self.server.sockets[0].getsockname()[1]
         self.advertise = cfg.advertise or f"{cfg.bind}:{port}"
         if not self.node:
@@ -501,6 +524,7 @@ class Cluster:
     async def _register(self):
         """Take a lease, claim the node name, publish interest and clients, read the rest."""
         etcd = self.etcd
+        self.announced = None  # (the links' HELLOs wait until the filters are written)
         self.lease = await etcd.lease(self.cfg.lease_ttl)
         key = f"{self.prefix}{NODES}{self.node}".encode()
         tx = etcd.transactions
@@ -509,7 +533,7 @@ class Cluster:
         deadline = time.monotonic() + self.cfg.lease_ttl + 2
         waited = False
         while True:
-            ok, _ = await etcd.transaction(
+            ok, responses = await etcd.transaction(
                 compare=[tx.create(key) == 0],
                 success=[tx.put(key, json.dumps({"link": self.advertise}).encode(), lease=self.lease)],
                 failure=[])
@@ -526,6 +550,8 @@ class Cluster:
             self.lease = None
             raise ClusterError(f"node name {self.node!r} is already taken in cluster {self.name!r} "
                                f"(a live node holds it; set [cluster] node)")
+        if not self.server.is_serving():
+            await self.server.start_serving()  # (the links' HELLOs are answered once the filters are written)
         # This node's interest and clients as they are now; from here on the router
         # reports changes (router.cluster is set in the same step: nothing is missed).
         router = self.router
@@ -541,7 +567,9 @@ class Cluster:
         for group, flt in local.counts:
             self._pending[route_key(self.prefix, self.node, group, flt)] = route_value(local.value(group, flt), seq)
         router.cluster = self
+        self.written = max(self.written, _written_at(responses))
         await self._flush_pending()
+        self._announce()
         await self._resync()
 
     async def _resync(self):
@@ -587,6 +615,8 @@ class Cluster:
                 alive = self.lease is not None and (await self.lease.remaining_ttl()) > 0
                 if alive:
                     await self._flush_pending()
+                    if self.announced is None:  # (a _register that failed after its claim)
+                        self._announce()
                     await self._resync()
                 else:
                     log.warning("cluster: this node's lease ran out; joining again")
@@ -859,11 +889,8 @@ class Cluster:
                 for k, v in batch:  # a newer change to the same key wins
                     self._pending.setdefault(k, v)
                 raise
-            revision = 0
-            for r in responses:
-                for field in ("response_put", "response_delete_range"):
-                    if r.HasField(field):
-                        revision = max(revision, getattr(r, field).header.revision)
+            revision = _written_at(responses)
+            self.written = max(self.written, revision)
             for k, v in batch:
                 if k.startswith(client_keys):
                     cid = k[skip:].decode()
@@ -951,7 +978,7 @@ class Cluster:
                 await link.closed
                 await asyncio.sleep(_RETRY[0])
                 continue
-            known = link.resume.result()
+            known, announced = link.resume.result()
             await self._send_retained(link)
             if not t.is_closing() and self.persist is not None:
                 if known >= 0:
@@ -960,7 +987,8 @@ class Cluster:
                     start = max(peer.resume_from, peer.known_from)
                 else:
                     start = peer.resume_from
-                await self._replay(peer, link, start)
+                if start >= self.persist.next_offset or await self._routes_known(peer, link, announced):
+                    await self._replay(peer, link, start)
             if t.is_closing() or peer.link is not link:  # lost while it caught up: again, shortly
                 await asyncio.sleep(_RETRY[0])
                 continue
@@ -1016,6 +1044,53 @@ class Cluster:
                 mark[1] = log_from - 1
         log.info("cluster: link from node %s up", node)
         return node, mark, mark[1]
+
+    def _announce(self):
+        """This node's filters are all in etcd (it has just (re)joined): answer the HELLOs
+        that waited for it."""
+        self.announced = self.written
+        due, self._resumes_due = self._resumes_due, []
+        for link, offset in due:
+            if not link.transport.is_closing():
+                self._resume(link, offset)
+
+    def _resume(self, link, offset):
+        """Answer a link's HELLO with RESUME: `offset`, and the revision by which this
+        node's filters are in etcd. While it (re)joins, once they are written (`_register`):
+        the sender replays what they match, and must be able to know them first."""
+        if self.announced is None:
+            self._resumes_due.append((link, offset))
+        else:
+            link.transport.write(F.encode_resume(offset, self.announced))
+
+    async def _routes_known(self, peer, link, announced):
+        """Make sure this node knows `peer`'s filters before it replays to it (it sends only
+        what they match, and a record passed over is not sent again): they are in etcd by
+        revision `announced` (its RESUME). Known if this node's watch has gone past it;
+        else (the peer has just (re)joined, and its link came up before the watch brought
+        its filters) read from etcd, again while that fails. False if the link went."""
+        if self.revision > announced:
+            return True
+        key = f"{self.prefix}{ROUTES}{peer.name}/".encode()
+        attempt = 0
+        while not link.transport.is_closing() and peer.link is link:
+            try:
+                got = await asyncio.wait_for(self.etcd.get_prefix(key), self.cfg.etcd_timeout)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if attempt == 0:
+                    log.warning("cluster: cannot read node %s's subscriptions from etcd (%s: %s); its replay "
+                                "waits until they are read", peer.name, type(e).__name__, e)
+                await asyncio.sleep(_RETRY[min(attempt, len(_RETRY) - 1)])
+                attempt += 1
+                continue
+            for kv in got:
+                parsed = parse_route_key(kv.key.decode("utf-8", "replace")[len(self.prefix) + len(ROUTES):])
+                if parsed is not None and parsed[0] == peer.name:
+                    self.remote.read(*parsed, *parse_route_value(kv.value))
+            return True
+        return False
 
     def _go_live(self, peer, link):
         """The link has everything up to the log's end: the queued frames (not in the log)

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from conftest import free_port
-from mqtt_helpers import drain, sub, uid, wait_for
-from test_cluster import SlowLink, await_route, cluster, disk, etcd, publish_all  # noqa: F401 (fixtures)
+from mqtt_helpers import drain, publish, sub, uid, wait_for
+from test_cluster import SlowLink, await_route, cluster, disk, etcd, publish_all, sys_value  # noqa: F401 (fixtures)
 
 
 @pytest.fixture
@@ -69,8 +69,9 @@ TTL = 2  # lease_ttl of these clusters: the outage is made shorter or longer tha
 @pytest.mark.parametrize("outage", ["short", "long"])
 @pytest.mark.parametrize("at_kill", ["connected", "disconnected"])
 def test_a_killed_node_gets_what_the_others_acknowledged_meanwhile(cluster, etcd, slow_etcd, at_kill, outage):
-    # Persistent sessions on node a, 3.1.1 and 5.0, subscribed to x/#, connected or
-    # cleanly disconnected when a is killed. Nodes b and c acknowledge 100 QoS 1 messages for them while a is down,
+    # Persistent sessions on node a, 3.1.1 and 5.0, subscribed to x/# and members of
+    # shared groups with no member elsewhere, connected or cleanly disconnected when a
+    # is killed. Nodes b and c acknowledge 100 QoS 1 messages for them while a is down,
     # for less than its lease (its keys still in etcd) or longer (it has left the
     # cluster). Restarted on its data dir, a rejoins and each session gets every one.
     cl = cluster(lease_ttl=TTL)
@@ -79,13 +80,13 @@ def test_a_killed_node_gets_what_the_others_acknowledged_meanwhile(cluster, etcd
     cl.start("c", storage=disk(cl, "c"))
     sessions = []  # (client id, version, filter, client)
     for version in (4, 5):
-        for flt in ("x/#",):
+        for flt in (f"$share/g{version}/x/#", "x/#"):
             cid = uid(f"v{version}")
             client = persistent(cl, "a", cid, version)
             sub(client, flt, 1)
             sessions.append((cid, version, flt, client))
     pb, pc = cl.client("b"), cl.client("c")
-    await_route(pb, sessions[-1][3], "x/probe")
+    await_route(pb, sessions[-1][3], "x/probe")  # (the groups' routes were written before)
     await_route(pc, sessions[-1][3], "x/probe")
     for *_, client in sessions:
         client._reconnect_on_failure = False
@@ -97,7 +98,8 @@ def test_a_killed_node_gets_what_the_others_acknowledged_meanwhile(cluster, etcd
         client.loop_stop()
     keys = f"/wrenmq/{cl.name}/"
     if outage == "long":
-        assert wait_for(lambda: not etcd.keys(f"{keys}nodes/a"), timeout=TTL + 5)
+        for name in "bc":
+            assert wait_for(lambda: nodes_seen(cl, name) == "2", timeout=TTL + 5), f"node {name} still counts a in"
     sent = [b"b%d" % i for i in range(50)] + [b"c%d" % i for i in range(50)]
     publish_all(pb, "x/b", sent[:50])
     publish_all(pc, "x/c", sent[50:])
@@ -112,7 +114,38 @@ def test_a_killed_node_gets_what_the_others_acknowledged_meanwhile(cluster, etcd
         assert sorted(got) == sorted(sent), f"{flt} (MQTT {version}): {len(got)} of {len(sent)}"
 
 
-def test_remote_interest_keeps_a_read_of_etcd():
+def nodes_seen(cl, name):
+    """How many nodes node `name` counts in the cluster (itself included), from $SYS."""
+    return sys_value(lambda: cl.client(name), "$SYS/broker/cluster/nodes")
+
+
+def test_a_group_whose_members_all_left_with_their_node_gets_what_was_sent_meanwhile(cluster):
+    # Two nodes. The only member of a shared group is a persistent session on node a; a
+    # is killed and its lease runs out: node b is alone, no node has a member of the
+    # group. What b acknowledges for it meanwhile (a retained message too) waits in b's
+    # log for a, which comes back with the session and gets each message.
+    cl = cluster(lease_ttl=TTL)
+    a = cl.start("a", storage=disk(cl, "a"))
+    cl.start("b", storage=disk(cl, "b"))
+    cid = uid("m")
+    member = persistent(cl, "a", cid, 5)
+    sub(member, "$share/g/y/#", 1)
+    pub = cl.client("b")
+    await_route(pub, member, "y/probe")
+    member._reconnect_on_failure = False
+    a.kill()
+    member.loop_stop()
+    assert wait_for(lambda: nodes_seen(cl, "b") == "1", timeout=TTL + 5)
+    sent = [b"%d" % i for i in range(20)]
+    publish_all(pub, "y/1", sent[:19])
+    publish(pub, "y/r", sent[19], 1, retain=True)
+    a.start()
+    again = persistent(cl, "a", cid, 5)
+    assert again.connack[1].session_present
+    assert sorted(collect_all([again], len(sent))[0]) == sorted(sent)
+
+
+def test_remote_interest_keeps_a_read_of_etcd_and_the_groups_of_nodes_that_left():
     from wrenmq.cluster.interest import RemoteInterest
 
     r = RemoteInterest()
@@ -129,3 +162,19 @@ def test_remote_interest_keeps_a_read_of_etcd():
     r.linked("n1", None, "t/#", False, True, 8)
     r.read("n1", None, "t/#", True, 7)
     assert nodes() == frozenset()
+    # A node that leaves keeps its groups (not its plain filters) until it is back, also
+    # across leaving again before that with groups it had not told before.
+    r.add("n2", "g", "t/#", online=True)
+    r.add("n2", None, "t/+")
+    r.left("n2")
+    assert r.match("t/x") == (frozenset(), {})
+    assert r.left_groups("t/x") == {("g", "t/#"): ("n2",)} and r.left_groups("u/x") == {}
+    r.add("n2", "h", "t/x")
+    r.left("n2")
+    assert r.left_groups("t/x") == {("g", "t/#"): ("n2",), ("h", "t/x"): ("n2",)}
+    r.add("n3", "g", "t/#")
+    r.left("n3")
+    assert r.left_groups("t/x")[("g", "t/#")] == ("n2", "n3")
+    r.back("n2")
+    r.back("n3")
+    assert r.left_groups("t/x") == {} and not r.left_nodes

@@ -20,6 +20,7 @@ from ..broker.topics import TopicTrie
 NODES = "nodes/"
 ROUTES = "routes/"
 CLIENTS = "clients/"
+_NO_GROUPS = {}  # (left_groups' answer while no node that left had groups: read, never written)
 
 
 def route_key(prefix, node, group, flt):
@@ -119,7 +120,8 @@ class RemoteInterest:
     a direct read of etcd (`read`, before a replay to the node); `add` and `remove` apply
     one without asking where it came from."""
 
-    __slots__ = ("_normal", "_shared", "_cache", "by_node", "_told", "_removals")
+    __slots__ = ("_normal", "_shared", "_cache", "by_node", "_told", "_removals", "_left", "_left_cache",
+                 "left_nodes")
 
     TOLD_MAX = 10_000  # removals a link told that etcd has not said, kept; past it the oldest go
 
@@ -132,6 +134,11 @@ class RemoteInterest:
         # a read of etcd found) that the watch has not yet said (or said something older than).
         self._told = {}
         self._removals = deque()  # keys of removals in _told, oldest first (some since replaced)
+        # The shared groups of nodes that left the cluster, until they are back (`left`):
+        # filter -> {(share name, node): filter}, and node -> set of (share name, filter).
+        self._left = TopicTrie()
+        self._left_cache = {}
+        self.left_nodes = {}
 
     def linked(self, node, group, flt, online, removed, seq):
         """A ROUTE from `node`'s link: its change number `seq`, ahead of etcd."""
@@ -227,6 +234,47 @@ class RemoteInterest:
         if forget_told and self._told:
             for key in [k for k in self._told if k[0] == node]:
                 del self._told[key]
+
+    def left(self, node):
+        """`node` left the cluster (its registration went: it stopped, or its lease ran out):
+        its filters go, its shared groups are kept (`left_groups`) until it is `back`. With
+        disk storage its sessions come back with it, their groups' members too, and a
+        group's message that no node in the cluster has a member for is for them (the
+        sender's log holds it until then; a plain filter's messages need no such memory:
+        a replay matches the log against the filters the node has when it is back)."""
+        new = [key for key in self.by_node.get(node, ()) if key[0] is not None]
+        if new:
+            kept = self.left_nodes.setdefault(node, set())  # (it may leave again before it is back)
+            for group, flt in new:
+                self._left.insert(flt, (group, node), flt)
+                kept.add((group, flt))
+            self._left_cache.clear()
+        self.drop_node(node)
+
+    def back(self, node):
+        """`node` is back, its filters known again: forget the groups it left with."""
+        groups = self.left_nodes.pop(node, None)
+        if groups:
+            for group, flt in groups:
+                self._left.remove(flt, (group, node))
+            self._left_cache.clear()
+
+    def left_groups(self, topic):
+        """{(share name, filter): nodes that left with members of it} of the groups that
+        match `topic` (empty at once while no node that left had any)."""
+        if not self.left_nodes:
+            return _NO_GROUPS
+        hit = self._left_cache.get(topic)
+        if hit is None:
+            found = {}
+            for values in self._left.match(topic):
+                for (group, node), flt in values.items():
+                    found.setdefault((group, flt), []).append(node)
+            hit = {k: tuple(sorted(v)) for k, v in found.items()}
+            if len(self._left_cache) > 100_000:
+                self._left_cache.clear()
+            self._left_cache[topic] = hit
+        return hit
 
     def clear(self):
         """Every node's filters gone, but not what the links said (`restore_told`)."""

@@ -17,7 +17,8 @@ node with a matching filter over a link (one TCP connection per direction), once
 per node; a retained message (or a clear) goes to every node, and a link that comes
 up first sends the retained messages its node holds. A shared group gets each
 message once across the cluster: the accepting node picks one node among those
-with a connected member (any with members if none), round robin. A client that
+with a connected member (any with members if none; if none has members, a node that
+left with some, which the log keeps it for), round robin. A client that
 connects to a node with clean start 0 has its session handed over from the node
 that held it (handover.py); with clean start 1 its session elsewhere ends (a live
 connection there is closed with 0x8E, session taken over).
@@ -576,6 +577,10 @@ class Cluster:
         """Read every key of the cluster (the other nodes, their interest, the clients) and
         the revision the watch goes on from."""
         got = await self.etcd.get_prefix(self.prefix.encode())
+        nodes = f"{self.prefix}{NODES}".encode()
+        registered = {kv.key[len(nodes):].decode("utf-8", "replace") for kv in got if kv.key.startswith(nodes)}
+        for name in [name for name in self.peers if name not in registered]:
+            self._drop_peer(name)  # (left while this node did not watch: before clear() forgets its groups)
         self.remote.clear()
         seen = set()
         for kv in got:
@@ -932,7 +937,7 @@ class Cluster:
             self._close_peer(peer)
             self._left[name] = peer.resume_from
             log.info("cluster: node %s left", name)
-        self.remote.drop_node(name)
+        self.remote.left(name)  # (its shared groups are kept until it is back: route)
 
     def _close_peer(self, peer):
         self._down(peer)
@@ -993,6 +998,7 @@ class Cluster:
                 await asyncio.sleep(_RETRY[0])
                 continue
             self._go_live(peer, link)
+            self.remote.back(peer.name)  # (its filters are known now: _routes_known)
             log.info("cluster: link to node %s (%s) up", peer.name, peer.address)
             await link.closed
             self._down(peer)
@@ -1111,7 +1117,7 @@ class Cluster:
         cursor = start
         half = self.link_buffer // 2
         first = True
-        sent = self._groups_sent_to(peer)  # (choices made while it replays are found as it goes)
+        sent = self._groups_sent_to(peer.name)  # (choices made while it replays are found as it goes)
         sent.forget_before(start)
         while True:
             if t.is_closing() or peer.link is not link:
@@ -1249,11 +1255,15 @@ class Cluster:
     # --- messages ----------------------------------------------------------------------
 
     def wanted(self, topic):
-        """True if another node has a filter (or a shared group) matching `topic`."""
-        if not self.peers or topic[:4] == "$SYS":
+        """True if another node has a filter (or a shared group) matching `topic`, or a
+        node that left had a shared group matching it (`route`)."""
+        if topic[:4] == "$SYS":
             return False
-        nodes, shared = self.remote.match(topic)
-        return bool(nodes or shared)
+        if self.peers:
+            nodes, shared = self.remote.match(topic)
+            if nodes or shared:
+                return True
+        return bool(self.remote.left_groups(topic))
 
     def route(self, msg, hit):
         """Router.publish with a cluster: deliver here what is for here, forward the rest.
@@ -1261,14 +1271,16 @@ class Cluster:
         True if anyone anywhere matched."""
         topic = msg.topic
         router = self.router
-        if topic[:4] == "$SYS" or not self.peers:
+        remote = self.remote
+        if topic[:4] == "$SYS" or not self.peers and not remote.left_nodes:
             return router.route(msg, hit)
         off = msg.offset  # taken before delivery here, which may record it as a private record
         if self._moved_in and off >= 0:
             self._got(self.log_id, off, hit)  # (a node it went to may pass it back: RELAY)
-        nodes, shared = self.remote.match(topic)
+        nodes, shared = remote.match(topic)
+        left = remote.left_groups(topic) if off >= 0 else None
         groups_for = None
-        if shared:
+        if shared or left:
             groups_for = {}
             local_groups = hit[1]
             keep = []
@@ -1300,6 +1312,13 @@ class Cluster:
             for key, (online, every) in shared.items():
                 if key not in seen:
                     groups_for.setdefault(self.picker.pick(key, live_of(online) or online or every), []).append(key)
+            if left:
+                # A group no node has a member of now, that a node which left had members
+                # of: that node's, which comes back with its sessions (the log keeps the
+                # message, GroupsSent the choice, for its replay then).
+                for key, gone in left.items():
+                    if key not in seen and key not in shared:
+                        groups_for.setdefault(self.picker.pick(key, gone), []).append(key)
             if len(keep) != len(local_groups):
                 hit = (hit[0], tuple(keep))
         delivered = router.route(msg, hit)
@@ -1311,10 +1330,16 @@ class Cluster:
             return delivered
         body = F.publish_bytes(msg, now)
         peers = self.peers
-        targets = peers if retain else (nodes | groups_for.keys() if groups_for else nodes)
+        if not retain:
+            targets = nodes | groups_for.keys() if groups_for else nodes
+        else:
+            targets = peers.keys() | groups_for.keys() if groups_for else peers
         for name in targets:
             peer = peers.get(name)
             if peer is None:
+                if off >= 0 and groups_for and name in groups_for:  # (a node that left: it gets them back)
+                    self._groups_chosen(name, False, off, groups_for[name])
+                    delivered = True
                 continue
             groups = groups_for.get(name, ()) if groups_for else ()
             to_subs = name in nodes
@@ -1323,7 +1348,7 @@ class Cluster:
                 delivered = True
             if off >= 0:  # in the log: a link that cannot take it now gets it by replay
                 if groups:  # (and the groups chosen there with it)
-                    self._groups_chosen(peer, off, groups)
+                    self._groups_chosen(name, peer.up, off, groups)
                 if peer.up:
                     frame = F.encode_forward(body, flags, msg.client_id, msg.timestamp, groups, off)
                     if self._room(peer):
@@ -1336,21 +1361,21 @@ class Cluster:
             self._send(peer, F.encode_forward(body, flags, msg.client_id, msg.timestamp, groups))
         return delivered
 
-    def _groups_sent_to(self, peer):
-        sent = self.groups_sent.get(peer.name)
+    def _groups_sent_to(self, name):
+        sent = self.groups_sent.get(name)
         if sent is None:
-            sent = self.groups_sent[peer.name] = GroupsSent()
+            sent = self.groups_sent[name] = GroupsSent()
         return sent
 
-    def _groups_chosen(self, peer, off, groups):
-        """Remember that the logged message `off` went to `peer` for `groups`; count a choice
-        forgotten for room while the peer's link was not live (its replay cannot give it)."""
-        if self._groups_sent_to(peer).add(off, groups) >= 0 and not peer.up:
+    def _groups_chosen(self, name, up, off, groups):
+        """Remember that the logged message `off` went to node `name` for `groups`; count a
+        choice forgotten for room while its link was not live (`up`: its replay cannot give it)."""
+        if self._groups_sent_to(name).add(off, groups) >= 0 and not up:
             self.replay_lost += 1
             if self.replay_lost & (self.replay_lost - 1) == 0:
                 log.warning("cluster: node %s is down with more than %d shared-group messages owed to it; "
                             "the oldest are forgotten (%d record(s) replays could not give so far)",
-                            peer.name, _GROUPS_KEPT, self.replay_lost)
+                            name, _GROUPS_KEPT, self.replay_lost)
 
     def _room(self, peer):
         """The peer's live link holds less than [cluster] link_buffer."""

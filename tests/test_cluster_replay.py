@@ -63,7 +63,7 @@ def collect_all(clients, n, timeout=20.0):
     return got
 
 
-TTL = 2  # lease_ttl of these clusters: the outage is made shorter or longer than it
+TTL = 3  # lease_ttl of these clusters (s): the outage is made shorter or longer than it
 
 
 @pytest.mark.parametrize("outage", ["short", "long"])

@@ -101,8 +101,7 @@ class Broker:
             try:
                 await cluster.start()
             except BaseException:
-                if self.store is not None:
-                    self.store.close()
+                self._close_store_of_failed_start()
                 raise
             self.cluster = cluster
         # One Listener per [[listener]] (TCP, TLS, WebSocket, Unix socket): see listeners.py.
@@ -117,13 +116,27 @@ class Broker:
             self._servers.clear()
             if self.cluster is not None:
                 await self.cluster.stop()
+            self._close_store_of_failed_start()
             raise
+        if self.store is not None:
+            self.store.announce_listeners([addr for addr, lst in zip(self.addresses, self.config.listener)
+                                           if lst.type == "mqtt"])
         if any(lst.tls for lst in self.config.listener):
             self.hooks.add(TLSReloadHook(self))  # SIGHUP (hooks.reload) re-reads certificates
         self.running = True
         if self.config.sys.interval > 0:
             self._publish_sys()
         return self
+
+    def _close_store_of_failed_start(self):
+        """Close the store (and with it the data dir's lock, so a program that embeds the
+        broker can start it again) and its timers, after start() failed."""
+        if self.store is None:
+            return
+        for h in (self._checkpoint_handle, self._disk_handle):
+            if h is not None:
+                h.cancel()
+        self.store.close()
 
     def _open_store(self):
         from ..store.store import Store

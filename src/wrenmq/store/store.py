@@ -30,6 +30,7 @@ from ..config import cluster_node_name
 from ..mqtt.codec import decode_properties, encode_varint
 from ._epoch import SEAL_BYTES, Epoch, EpochAppender, new_buffers, properties_block  # noqa: F401 (properties_block: re-exported)
 from .format import encode_batch_parts
+from .lock import DataDirLock
 from .log import CommitLog
 from .reader import LogReader
 from .state import META_SET, StateDB
@@ -137,11 +138,21 @@ class Store(EpochAppender):
     """
 
     def __init__(self, config, on_durable=None, on_error=None):
+        self.config = config
+        self.data_dir = os.path.abspath(config.storage.data_dir)
+        os.makedirs(self.data_dir, exist_ok=True)
+        # Before anything in the data dir is read or written: one writer per data dir.
+        self.lock = DataDirLock(self.data_dir)
+        try:
+            self._open(config, on_durable, on_error)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self, config, on_durable, on_error):
+        """The rest of __init__, under the data dir's lock: the log, the state database."""
         st = config.storage
         lg = config.log
-        self.config = config
-        self.data_dir = os.path.abspath(st.data_dir)
-        os.makedirs(self.data_dir, exist_ok=True)
         # A cluster node's log partition is named after the node (on a new data dir), so the
         # logs of a cluster's nodes can be read together (pipeline: several data dirs).
         self.node_id = node_id_for(self.data_dir, config.broker.node_id,
@@ -267,6 +278,12 @@ class Store(EpochAppender):
         if self._reader is not None:
             self._reader.close()
         self.db.close()
+        self.lock.release()
+
+    def announce_listeners(self, addresses):
+        """Write where the broker's MQTT listeners are into the data dir's lock file
+        ([(host, port)]), for tools that must tell this broker from others (replay)."""
+        self.lock.announce(addresses)
 
     # --- the event loop side -----------------------------------------------------
 

@@ -342,6 +342,68 @@ def test_cli_serve_missing_config(tmp_path):
     assert not listening(port)
 
 
+MOSQUITTO_CONF = """\
+# A Mosquitto 2 configuration, as found on an edge gateway
+pid_file /run/mosquitto/mosquitto.pid
+persistence true
+persistence_location /var/lib/mosquitto/
+
+listener 1883
+allow_anonymous true
+password_file /etc/mosquitto/passwd
+
+# to the cloud
+connection cloud
+address cloud.example.com:8883
+topic sensors/# out 1
+"""
+
+
+def test_cli_serve_recognises_a_mosquitto_file_and_says_where_its_settings_go(tmp_path):
+    path = tmp_path / "mosquitto.conf"
+    path.write_text(MOSQUITTO_CONF)
+    port = free_port()
+    r = run("serve", "--config", str(path), "--port", str(port))
+    assert r.returncode == 2
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    msg = lines[0]
+    assert msg.startswith(f"wrenmq: {path}: this is a Mosquitto configuration file ("), msg
+    for directive in ("pid_file", "persistence", "listener", "allow_anonymous", "password_file", "connection"):
+        assert directive in msg
+    assert "docs/CONFIG.md" in msg and "Coming from Mosquitto" in msg
+    assert "Expected '='" not in msg
+    assert not listening(port)
+    assert run("config", "check", str(path)).stderr == r.stderr
+    # The table the message points to is in docs/CONFIG.md, with every directive found.
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md").read_text()
+    table = doc.split("## Coming from Mosquitto", 1)[1]
+    for directive in ("listener", "allow_anonymous", "persistence", "password_file", "connection"):
+        assert f"| `{directive}` |" in table
+
+
+@pytest.mark.parametrize("text", [
+    "[[listener]]\nport 1883\n",  # TOML with a typo, not Mosquitto: a table header
+    "listen 1883\nallow_anonymus true\n",  # not Mosquitto's directives either
+    "a = 1\nb = 2\nlistener 1883\n",  # mostly TOML
+])
+def test_a_broken_toml_file_is_not_taken_for_a_mosquitto_one(tmp_path, text):
+    with pytest.raises(ConfigError) as info:
+        load(write(tmp_path, text))
+    assert "not valid TOML" in str(info.value) and "Mosquitto" not in str(info.value)
+
+
+def test_mosquitto_directives_are_recognised_as_mosquitto_writes_them():
+    from wrenmq.mosquitto_config import mosquitto_directives
+
+    assert mosquitto_directives(MOSQUITTO_CONF) == [
+        "pid_file", "persistence", "persistence_location", "listener", "allow_anonymous", "password_file",
+        "connection", "address", "topic"]
+    assert mosquitto_directives("listener 8883 0.0.0.0\ncertfile /x.pem  # TLS\nplugin_opt_x 1\n") == [
+        "listener", "certfile", "plugin_opt_x"]
+    assert mosquitto_directives("# comments only\n") == []
+
+
 def test_config_md_is_generated_from_the_code():
     """docs/CONFIG.md is `wrenmq config docs`: a key added or changed here shows there."""
     from pathlib import Path

@@ -199,7 +199,8 @@ def test_device_state_latest_per_topic_flattened_and_replay_safe(spark, serve_br
     assert rows["fleet/d3/state"]["payload.temp"] is None and rows["fleet/d3/state"]["payload"] == b"not json"
     assert t.schema.field("payload.temp").type == "int64"
     # replay the old values (same topics): the shadow keeps the newest by original time
-    r = replay(ReplayOptions(data_dir=data, broker=f"127.0.0.1:{b.port}", to_offset="4", quiet=True))
+    r = replay(ReplayOptions(data_dir=data, broker=f"127.0.0.1:{b.port}", to_offset="4", same_topics=True,
+                             quiet=True))
     assert r["messages"] == 4
     pub.publish("fleet/d2/state", json.dumps({"temp": 99}), qos=1).wait_for_publish(5)
     assert jobs.run("device-state", o, spark=spark) == 0

@@ -28,7 +28,7 @@ def add_parsers(sub):
                "  topic-stats   per topic and window: messages, bytes, publishers, JSON field stats\n"
                "  device-state  latest message per topic, JSON payloads flattened to columns\n"
                "  usage         messages and bytes per client id per hour\n"
-               "  replay        re-publish a range of the log to a broker (no Spark needed)\n")
+               "  replay        re-publish a range of the log to a broker (--broker; no Spark needed)\n")
     p.add_argument("job", choices=JOBS, metavar="JOB", help=" | ".join(JOBS))
     p.add_argument("--data-dir", metavar="DIR", default="./data", help="the broker's data dir (default ./data); a cluster's nodes: several, comma separated")
     p.add_argument("--output", metavar="DIR", help="where the job writes (default ./lake/JOB)")
@@ -68,8 +68,9 @@ def add_parsers(sub):
     g = p.add_argument_group("device-state")
     g.add_argument("--no-flatten", dest="flatten", action="store_false", help="keep payloads as bytes only")
     g = p.add_argument_group("replay")
-    g.add_argument("--broker", metavar="HOST:PORT", default="127.0.0.1:1883",
-                   help="broker to publish to (replay, topic-stats --publish)")
+    g.add_argument("--broker", metavar="HOST:PORT",
+                   help="replay: the broker to re-publish to (required); topic-stats --publish: where "
+                        "the stats go (default 127.0.0.1:1883)")
     g.add_argument("--from-offset", metavar="N|JSON")
     g.add_argument("--to-offset", metavar="N|JSON", help="exclusive")
     g.add_argument("--from-time", metavar="TIME")
@@ -79,7 +80,10 @@ def add_parsers(sub):
     g.add_argument("--rate", metavar="MSG/S", type=float, default=0.0, help="0 = unlimited (default)")
     g.add_argument("--qos", type=int, choices=(0, 1, 2), help="override the original QoS")
     g.add_argument("--keep-retain", action="store_true", help="keep the original retain flags")
-    p.set_defaults(func=run_pipeline)
+    g.add_argument("--same-topics", action="store_true",
+                   help="replay into the broker that owns the log under the original topics (refused "
+                        "otherwise: its subscribers get every message again, its log records each twice)")
+    p.set_defaults(func=run_pipeline, pipeline_parser=p)
 
     d = sub.add_parser("demo", help="broker + simulated fleet + archive and topic-stats, for a minute")
     d.add_argument("--devices", type=int, default=200)
@@ -96,7 +100,10 @@ def run_pipeline(args):
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.job == "replay":
+        if not args.broker:
+            args.pipeline_parser.error("replay needs --broker HOST:PORT, the broker to re-publish to")
         return _replay(args)
+    from .common import OptionError
     from .jobs import JobOptions, run
 
     fields = []
@@ -109,10 +116,14 @@ def run_pipeline(args):
                    max_records_per_partition=args.max_records_per_partition,
                    fail_on_data_loss=args.fail_on_data_loss, spark_conf=_conf(args.conf), ui=args.ui,
                    quiet=args.quiet, topic_levels=args.topic_levels, window=args.window,
-                   watermark=args.watermark, fields=fields, publish=args.publish, broker=args.broker,
+                   watermark=args.watermark, fields=fields, publish=args.publish,
+                   broker=args.broker or "127.0.0.1:1883",
                    publish_prefix=args.publish_prefix, flatten=args.flatten, duration=args.duration)
     try:
         return run(args.job, o)
+    except OptionError as e:
+        print(f"wrenmq pipeline {args.job}: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # a failed query: one readable line, not a JVM stack trace
@@ -124,14 +135,19 @@ def run_pipeline(args):
 
 
 def _replay(args):
+    from .common import OptionError
     from .replay import ReplayOptions, replay
 
     o = ReplayOptions(data_dir=args.data_dir, broker=args.broker, topics=args.topics,
                       from_offset=args.from_offset, to_offset=args.to_offset, from_time=args.from_time,
                       to_time=args.to_time, prefix=args.prefix, strip_prefix=args.strip_prefix,
-                      rate=args.rate, qos=args.qos, keep_retain=args.keep_retain, quiet=args.quiet)
+                      rate=args.rate, qos=args.qos, keep_retain=args.keep_retain, quiet=args.quiet,
+                      same_topics=args.same_topics)
     try:
         r = replay(o)
+    except OptionError as e:
+        print(f"wrenmq pipeline replay: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"wrenmq pipeline replay: cannot reach the broker at {args.broker}: {e}", file=sys.stderr)
         return 1

@@ -39,6 +39,34 @@ def _looks_like_log_root(path):
     return False
 
 
+class OptionError(ValueError):
+    """A job's option that cannot work, found before anything starts (Spark takes 10-20 s
+    to start; a typo must not cost that, nor leave a checkpoint behind)."""
+
+
+def data_dir_specs(path):
+    """The data dirs (or log dirs) of a --data-dir value: one, or several comma separated."""
+    path = str(path)
+    if "," in path and not os.path.exists(path):
+        return [p.strip() for p in path.split(",") if p.strip()]
+    return [path]
+
+
+def check_log(path):
+    """{node: partition dir} of the log(s) `path` names (list_partitions); OptionError
+    unless each data dir it names holds a commit log."""
+    for spec in data_dir_specs(path):
+        root = _log_root(spec)
+        if not list_partitions(root):
+            where = "does not exist" if not os.path.exists(spec) else f"has no {root}/<node>/"
+            raise OptionError(f"--data-dir {spec}: no commit log there ({spec} {where}); give the broker's "
+                              f"[storage] data_dir (its log is <data dir>/log/<node>/, made when it first starts)")
+    try:
+        return list_partitions(log_root(path))
+    except ValueError as e:
+        raise OptionError(str(e)) from None
+
+
 def list_partitions(root):
     """{node: partition directory} of the log partitions under `root` (or each of a tuple
     of roots), sorted by node. A node found under two roots is an error: its offsets
@@ -113,7 +141,7 @@ def parse_topics(v):
     return topics or None
 
 
-def _parse_offsets_spec(v, name):
+def parse_offsets_spec(v, name):
     """'earliest' | 'latest' | {node: int} -> str or dict."""
     if v is None:
         return None
@@ -143,9 +171,9 @@ class Options:
         self.path = str(path)
         self.root = log_root(path)
         self.topics = parse_topics(o.get("topics"))
-        self.starting = _parse_offsets_spec(o.get("startingoffsets"), "startingOffsets") or "earliest"
+        self.starting = parse_offsets_spec(o.get("startingoffsets"), "startingOffsets") or "earliest"
         self.starting_ts = parse_time_us(o.get("startingtimestamp"))
-        self.ending = _parse_offsets_spec(o.get("endingoffsets"), "endingOffsets") or "latest"
+        self.ending = parse_offsets_spec(o.get("endingoffsets"), "endingOffsets") or "latest"
         self.ending_ts = parse_time_us(o.get("endingtimestamp"))
         self.max_per_trigger = _parse_int(o.get("maxrecordspertrigger"), "maxRecordsPerTrigger")
         self.max_per_partition = (_parse_int(o.get("maxrecordsperpartition"), "maxRecordsPerPartition")

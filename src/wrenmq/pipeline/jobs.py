@@ -19,6 +19,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from .common import OptionError, parse_offsets_spec, check_log, parse_time_us, parse_topics
 from .sink import AtomicParquetSink
 
 log = logging.getLogger("wrenmq.pipeline")
@@ -390,18 +391,83 @@ STARTERS = {
 }
 
 
+# A Spark interval, as Spark parses one ("5 seconds", "1 hour 30 minutes", "interval 10 minutes").
+_INTERVAL = re.compile(r"^\s*(interval\s+)?(\d+(\.\d+)?\s+(year|month|week|day|hour|minute|second|millisecond|"
+                       r"microsecond)s?\s*)+$", re.I)
+
+
+def _check_interval(flag, value, zero_ok=True):
+    if value is None:
+        return
+    if not _INTERVAL.match(str(value)) or (not zero_ok and not re.search(r"[1-9]", str(value))):
+        raise OptionError(f"{flag}: {value!r} is not a{'' if zero_ok else ' non-zero'} interval such as "
+                          f"'5 seconds', '10 minutes', '1 hour 30 minutes'")
+
+
+def _check_positive(flag, value, least=1):
+    if value is not None and value < least:
+        raise OptionError(f"{flag}: must be >= {least}, got {value}")
+
+
+def check_options(job, o):
+    """Every error in a job's options that can be found without Spark, as an OptionError
+    naming the command-line flag: a data dir without a commit log, offsets, times, topic
+    filters, intervals, counts. `run` calls it before it starts a session, so a mistake
+    costs no JVM start and leaves no checkpoint."""
+    from ..broker.topics import TopicError, validate_topic_filter
+
+    if job not in STARTERS:
+        raise OptionError(f"unknown job {job!r} (jobs: {', '.join(STARTERS)})")
+    nodes = check_log(o.data_dir)
+    try:
+        spec = parse_offsets_spec(o.starting_offsets, "startingOffsets")
+    except ValueError:
+        raise OptionError(f"--starting-offsets: expected earliest, latest or a JSON object "
+                          f"{{\"<node>\": <offset>, ...}}, got {o.starting_offsets!r}") from None
+    if isinstance(spec, dict):
+        unknown = sorted(set(spec) - set(nodes))
+        if unknown:
+            raise OptionError(f"--starting-offsets: no log partition {', '.join(map(repr, unknown))} in "
+                              f"{o.data_dir} (there: {', '.join(nodes)})")
+        bad = {n: v for n, v in spec.items() if v < -2}
+        if bad:
+            raise OptionError(f"--starting-offsets: offsets are >= 0 (or -2 earliest, -1 latest), got {bad}")
+    try:
+        parse_time_us(o.starting_timestamp)
+    except (ValueError, OverflowError):
+        raise OptionError(f"--starting-timestamp: expected milliseconds since the epoch or an ISO 8601 time "
+                          f"(2026-01-31T12:00:00Z), got {o.starting_timestamp!r}") from None
+    try:
+        for flt in parse_topics(o.topics) or ():
+            validate_topic_filter(flt)
+    except (TopicError, ValueError) as e:
+        raise OptionError(f"--topics: {o.topics!r}: {e}") from None
+    if not o.once:
+        _check_interval("--trigger", o.trigger)
+    _check_interval("--window", o.window, zero_ok=False)
+    _check_interval("--watermark", o.watermark)
+    _check_positive("--max-records-per-trigger", o.max_records_per_trigger)
+    _check_positive("--max-records-per-partition", o.max_records_per_partition)
+    _check_positive("--topic-levels", o.topic_levels, 0)
+    if o.duration is not None and o.duration <= 0:
+        raise OptionError(f"--duration: must be > 0 seconds, got {o.duration:g}")
+    if job == "topic-stats" and o.publish:
+        host, sep, port = str(o.broker).rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise OptionError(f"--broker: expected HOST:PORT, got {o.broker!r}")
+    for flag, path in (("--output", o.output_dir(job)), ("--checkpoint", o.checkpoint_dir(job))):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise OptionError(f"{flag}: {path} exists and is not a directory")
+
+
 def run(job, o, spark=None, console=None):
-    """Run one job to completion (`once`) or until interrupted (`continuous`); return 0 on success."""
+    """Run one job to completion (`once`) or until interrupted (`continuous`); return 0 on
+    success. Raises OptionError (before any Spark starts) for options that cannot work."""
     from .progress import Monitor
 
     if job == "replay":
         raise ValueError("replay runs through wrenmq.pipeline.replay")
-    from .common import log_root
-
-    root = log_root(o.data_dir)
-    for r in root if isinstance(root, tuple) else (root,):
-        if not os.path.isdir(r):
-            log.warning("no commit log under %s (yet): is --data-dir the broker's data dir?", r)
+    check_options(job, o)
     own = spark is None
     if own:
         from .spark import session

@@ -12,24 +12,34 @@ payload, QoS and MQTT 5 properties and gets two user properties:
 is dropped unless `keep_retain`. The publisher is a paho MQTT 5 client with a bounded window of
 unacknowledged messages, a rate limit (messages/s, 0 = as fast as the broker takes them) and
 a rich progress bar. This job needs no Spark: it is a sequential copy from the log's files.
+
+The target broker is always given. Into the broker that owns the log (the data dir's lock
+file says where it listens) the topics must change (a prefix), or `same_topics` be set:
+under the original topics its subscribers would get every message again (check_target).
 """
 
 import heapq
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass
 
+from ..store.lock import data_dir_owner, serves_at
 from ..store.reader import LogReader
 from ..store.store import parse_properties_block
 from .jobs import ORIGINAL_TIMESTAMP, REPLAY_OF
-from .common import list_partitions, log_root, parse_time_us, parse_topics
+from .common import OptionError, check_log, data_dir_specs, list_partitions, log_root, parse_time_us, parse_topics
+
+
+class ReplayRefused(OptionError):
+    """The target is the broker that owns the log, and the topics are the original ones."""
 
 
 @dataclass
 class ReplayOptions:
     data_dir: str = "./data"
-    broker: str = "127.0.0.1:1883"
+    broker: str = None        # "host:port" of the broker to publish to: required
     topics: str = None
     from_offset: str = None   # int (every partition) or JSON {"node": offset}
     to_offset: str = None     # exclusive
@@ -40,6 +50,9 @@ class ReplayOptions:
     rate: float = 0.0         # messages per second, 0 = unlimited
     qos: int = None           # None: the original QoS
     keep_retain: bool = False
+    # Replay into the broker that owns the log under the original topics (no prefix): its
+    # subscribers get every message again and its log records each twice, so only if asked.
+    same_topics: bool = False
     window: int = 1000        # unacknowledged QoS > 0 messages in flight
     client_id: str = None
     quiet: bool = False
@@ -57,6 +70,68 @@ def _per_node(spec, node):
         v = json.loads(s).get(node)
         return None if v is None else int(v)
     return int(s)
+
+
+def _check_offsets(flag, value):
+    if value is None or value == "" or isinstance(value, int):
+        return
+    s = str(value).strip()
+    try:
+        if s.startswith("{"):
+            d = json.loads(s)
+            if not isinstance(d, dict):
+                raise ValueError
+            for v in d.values():
+                int(v)
+        else:
+            int(s)
+    except (ValueError, TypeError):
+        raise OptionError(f"{flag}: expected an offset or JSON {{\"<node>\": <offset>, ...}}, got {value!r}") from None
+
+
+def _broker_address(broker):
+    host, sep, port = str(broker or "").rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise OptionError(f"--broker: expected HOST:PORT of the broker to publish to, got {broker!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def check_target(o):
+    """ReplayRefused if `o.broker` is the broker that has the log's data dir open (its lock
+    file says where it listens) and the topics stay as they were (no prefix, and
+    `same_topics` not given)."""
+    if o.prefix or o.same_topics:
+        return
+    host, port = _broker_address(o.broker)
+    for spec in data_dir_specs(o.data_dir):
+        d = os.path.abspath(os.path.expanduser(spec))
+        for data_dir in (d, os.path.dirname(d)) if os.path.basename(d) == "log" else (d,):
+            owner = data_dir_owner(data_dir)
+            if owner is not None and serves_at(owner, host, port):
+                raise ReplayRefused(
+                    f"{o.broker} is the broker that owns the log in {data_dir} (pid {owner['pid']}): replayed "
+                    f"under their original topics, its messages would reach its subscribers again and be "
+                    f"recorded twice. Give --prefix (e.g. --prefix replay/) to publish them under new "
+                    f"topics, or --same-topics if that is what you want.")
+
+
+def check_options(o):
+    """OptionError for what cannot work, before anything is published: no --broker, a data
+    dir without a log, a bad offset or time, or a replay into the log's own broker under
+    the same topics (check_target)."""
+    if not o.broker:
+        raise OptionError("--broker: give the broker to publish to (HOST:PORT)")
+    _broker_address(o.broker)
+    check_log(o.data_dir)
+    _check_offsets("--from-offset", o.from_offset)
+    _check_offsets("--to-offset", o.to_offset)
+    for flag, value in (("--from-time", o.from_time), ("--to-time", o.to_time)):
+        try:
+            parse_time_us(value)
+        except (ValueError, OverflowError):
+            raise OptionError(f"{flag}: expected milliseconds since the epoch or an ISO 8601 time, "
+                              f"got {value!r}") from None
+    check_target(o)
 
 
 def plan(o):
@@ -113,21 +188,28 @@ def _records(node, reader, start, end, topics):
 
 
 def replay(o, console=None):
-    """Run the replay; return a summary dict (messages, seconds, per node last offsets)."""
+    """Run the replay; return a summary dict (messages, seconds, per node last offsets).
+    Raises OptionError (ReplayRefused) before anything is published (check_options)."""
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion
 
+    check_options(o)
     topics = parse_topics(o.topics)
+    host, port = _broker_address(o.broker)
     parts = plan(o)
     total = sum(e - s for _, _, s, e in parts)
-    host, _, port = o.broker.rpartition(":")
     c = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5,
                     client_id=o.client_id or f"wrenmq-replay-{uuid.uuid4().hex[:8]}")
     if o.username is not None:
         c.username_pw_set(o.username, o.password)
     c.max_inflight_messages_set(max(1, min(o.window, 65535)))
     c.max_queued_messages_set(0)
-    c.connect(host or "127.0.0.1", int(port or 1883))
+    try:
+        c.connect(host, port)
+    except BaseException:
+        for _, r, _, _ in parts:
+            r.close()
+        raise
     c.loop_start()
     sent = 0
     done = {n: s for n, _, s, _ in parts}

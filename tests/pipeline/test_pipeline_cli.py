@@ -1,0 +1,128 @@
+"""`wrenmq pipeline ...` as users run it: an explicit replay target, and option errors that
+stop a job before Spark starts."""
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+from conftest import subscribe  # noqa: E402
+
+from .pipeline_helpers import telemetry, write_log  # noqa: E402
+
+WRENMQ = str(Path(sys.executable).with_name("wrenmq"))
+
+
+def pipeline(*args, cwd=None, timeout=300):
+    t0 = time.monotonic()
+    r = subprocess.run([WRENMQ, "pipeline", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    r.seconds = time.monotonic() - t0
+    return r
+
+
+def received(client, timeout=2.0):
+    got = []
+    while True:
+        try:
+            got.append(client.messages.get(timeout=timeout))
+        except queue.Empty:
+            return got
+
+
+def log_end(data):
+    r = subprocess.run([WRENMQ, "log", "stats", "--data-dir", str(data), "--json"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["partitions"][0]["end_offset"]
+
+
+def test_replay_needs_a_target_and_refuses_the_logs_own_broker_under_the_same_topics(
+        serve_broker, tmp_path, clients):
+    b = serve_broker()  # its data dir: tmp_path / "data"
+    data = tmp_path / "data"
+    pub = clients(b.port)
+    for i in range(3):
+        pub.publish(f"plant/{i}", b"%d" % i, qos=1).wait_for_publish(5)
+    watcher = clients(b.port)
+    subscribe(watcher, "#", qos=1)
+    end = log_end(data)
+
+    # No --broker: a usage error, nothing published anywhere.
+    r = pipeline("replay", "--data-dir", str(data), "--quiet")
+    assert r.returncode == 2 and "usage:" in r.stderr and "--broker" in r.stderr, r.stderr
+    # Into the broker that owns the log, under the original topics: refused, by any name of it.
+    for target in (f"127.0.0.1:{b.port}", f"localhost:{b.port}"):
+        r = pipeline("replay", "--data-dir", str(data), "--broker", target, "--quiet")
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "owns the log" in r.stderr and f"pid {b.proc.pid}" in r.stderr and "--prefix" in r.stderr
+        assert "Traceback" not in r.stderr
+    assert received(watcher) == [] and log_end(data) == end
+
+    # Under a prefix: replayed.
+    r = pipeline("replay", "--data-dir", str(data), "--broker", f"127.0.0.1:{b.port}", "--prefix", "again/",
+                 "--topics", "plant/#", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert sorted((m.topic, m.payload) for m in received(watcher)) == [
+        (f"again/plant/{i}", b"%d" % i) for i in range(3)]
+    # Asked for in so many words: under the same topics.
+    r = pipeline("replay", "--data-dir", str(data), "--broker", f"127.0.0.1:{b.port}", "--same-topics",
+                 "--topics", "plant/#", "--to-offset", "1", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert [(m.topic, m.payload) for m in received(watcher)] == [("plant/0", b"0")]
+
+    # Another broker is not the owner: no prefix needed.
+    other_dir = tmp_path / "other"
+    other = serve_broker(args=("--data-dir", str(other_dir)))
+    there = clients(other.port)
+    subscribe(there, "plant/#", qos=1)
+    r = pipeline("replay", "--data-dir", str(data), "--broker", f"127.0.0.1:{other.port}", "--to-offset", "3",
+                 "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert sorted(m.topic for m in received(there)) == [f"plant/{i}" for i in range(3)]
+
+
+def test_archive_option_errors_fail_before_spark_starts(java, tmp_path):
+    """A data dir without a log, bad --starting-offsets and other option errors: exit 2 with
+    one line naming the option, at once, leaving no output or checkpoint folder. Set
+    against a run of the same command on a real log, which starts Spark."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_log(str(data), "n1", telemetry(50))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["--data-dir", str(tmp_path / "no" / "such" / "dir")], "--data-dir"),
+        (["--data-dir", str(empty)], "no commit log"),
+        (["--data-dir", str(data), "--starting-offsets", "yesterday"], "--starting-offsets"),
+        (["--data-dir", str(data), "--starting-offsets", '{"n2": 5}'], "no log partition 'n2'"),
+        (["--data-dir", str(data), "--starting-timestamp", "last tuesday"], "--starting-timestamp"),
+        (["--data-dir", str(data), "--topics", "a/#/b"], "--topics"),
+        (["--data-dir", str(data), "--continuous", "--trigger", "5s"], "--trigger"),
+        (["--data-dir", str(data), "--max-records-per-trigger", "0"], "--max-records-per-trigger"),
+    ]
+    slowest = 0.0
+    for i, (args, expected) in enumerate(cases):
+        out = tmp_path / f"lake{i}"
+        r = pipeline("archive", *args, "--output", str(out), "--quiet", cwd=tmp_path)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("wrenmq pipeline archive: ") and expected in lines[0], \
+            (args, r.stderr)
+        assert not out.exists(), args  # no checkpoint, no output folder
+        slowest = max(slowest, r.seconds)
+    assert not (tmp_path / "lake").exists()
+
+    # The same command on a real log starts Spark and archives it.
+    out = tmp_path / "lake-ok"
+    r = pipeline("archive", "--data-dir", str(data), "--output", str(out), "--quiet", "--master", "local[1]",
+                 cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert os.path.isdir(out / "_wrenmq" / "checkpoint")
+    assert slowest * 3 < r.seconds, (slowest, r.seconds)

@@ -309,6 +309,32 @@ def test_tail_follow(damaged, dump):
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 2
 
 
+@pytest.mark.parametrize("n", [1, 3, 0])
+def test_tail_follow_with_n_prints_the_last_n_then_follows(damaged, dump, n):
+    """`-f -n N` as tail does it: the last N records, then every record logged after them
+    (not N records in all, then an exit)."""
+    b = ServedBroker(damaged.parent, "", ("--data-dir", str(damaged)))
+    proc = subprocess.Popen([WRENMQ, "log", "tail", "--data-dir", str(damaged), "-f", "-n", str(n), "--format",
+                             "json", "--interval", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = _line_queue(proc)
+    try:
+        first = _read_lines(lines, n, timeout=10) if n else []
+        assert [d["offset"] for d in first] == [d["offset"] for d in dump[len(dump) - n:]]
+        assert _read_lines(lines, 1, timeout=0.5) == []  # nothing more until something is logged
+        assert proc.poll() is None  # still following
+        publish_all(b.port, [("cli/after", b"after", 1, False, None)])
+        new = _read_lines(lines, 2)
+        assert [(d["offset"], d["topic"], d["payload"]) for d in new] == \
+            [(dump[-1]["offset"] + 1, "cli/after", "after"), (dump[-1]["offset"] + 2, "cli/fence", "fence")]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        b.stop()
+
+
 def test_log_written_by_the_broker_reads_back_through_the_api(data_dir, dump):
     reader = LogReader(node_dir(data_dir))
     recs = list(reader.records())

@@ -231,6 +231,8 @@ def _select_partition(args):
 def _last_matching(reader, n, filters):
     """Offset to start from to show the last `n` records (matching `filters`)."""
     end = reader.end_offset
+    if n <= 0:
+        return end
     first = reader.start_offset
     if not filters:
         return max(first, end - n)
@@ -249,16 +251,15 @@ def cmd_tail(args, out):
     filters = args.topic or None
     if args.limit is not None and args.limit < 0:
         raise UsageError("--limit must be >= 0")
+    left = args.limit  # records still to print; None: no bound
     if args.since is not None:
         start = reader.offset_for_time(parse_time(args.since))
     elif args.from_ is not None:
         start = args.from_ if args.from_ >= 0 else max(reader.start_offset, reader.end_offset + args.from_)
-    elif args.follow:
-        # Like tail -f: the last few records, then whatever comes.
-        start = _last_matching(reader, 10 if args.limit is None else min(args.limit, 10), filters)
     else:
         start = _last_matching(reader, 10 if args.limit is None else args.limit, filters)
-    left = args.limit
+        if args.follow:
+            left = None  # like tail -f -n N: the last N, then whatever comes
     fmt = record_json if args.format == "json" else record_text
     pos = start
 
@@ -323,7 +324,9 @@ def add_parser(sub):
     tl.add_argument("--topic", metavar="FILTER", action="append",
                     help="only topics matching this MQTT filter (repeatable)")
     tl.add_argument("--follow", "-f", action="store_true", help="keep printing new records until Ctrl-C")
-    tl.add_argument("--limit", "-n", metavar="N", type=int, help="print at most N records")
+    tl.add_argument("--limit", "-n", metavar="N", type=int,
+                    help="the last N records (default 10), and with --follow whatever comes after them; "
+                         "with --from or --since: at most N records from there")
     tl.add_argument("--format", choices=["text", "json"], default="text",
                     help="text (default) or JSON, one record per line")
     tl.add_argument("--interval", type=float, default=0.5, help=argparse.SUPPRESS)

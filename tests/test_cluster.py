@@ -812,6 +812,48 @@ def test_node_killed_leaves_when_its_lease_runs_out_and_can_rejoin(cluster, etcd
     assert wait_for(lambda: sys_value(watcher, "$SYS/broker/cluster/nodes") == "2")
 
 
+def test_cluster_status_shows_a_killed_nodes_link_down_long_before_its_lease_runs_out(cluster, etcd):
+    """etcd keeps a node killed with SIGKILL for lease_ttl (60 s here); `wrenmq cluster
+    status --config <node a's file>` shows, as node a sees it, its link to the dead node
+    down (and since when it has heard nothing) within seconds. A node that is stopped
+    (SIGSTOP: its sockets stay open) shows as silent, and up again once it goes on."""
+    cl = cluster(lease_ttl=60)
+    a = cl.start("a")
+    b = cl.start("b")
+    c = cl.start("c")
+    cfg = cl.tmp / "status-a.toml"
+    cfg.write_text(cl.config("a", a.link_port))
+
+    def status(*extra):
+        r = subprocess.run([WRENMQ, "cluster", "status", "--config", str(cfg), *extra], capture_output=True,
+                           text=True, timeout=30)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(r.stdout) if extra == ("--json",) else r.stdout
+
+    states = lambda: {n: v["state"] for n, v in status("--json")["nodes"].items()}  # noqa: E731
+    assert wait_for(lambda: states() == {"a": "(this node)", "b": "up", "c": "up"}, timeout=20)
+    assert status("--json")["seen_from"] == "a"
+    c.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert wait_for(lambda: states()["c"] == "silent", timeout=20)
+    finally:
+        c.proc.send_signal(signal.SIGCONT)
+    assert wait_for(lambda: states()["c"] == "up", timeout=20)
+    b.kill()
+    killed = time.monotonic()
+    assert wait_for(lambda: status("--json")["nodes"]["b"]["state"] == "down", timeout=20)
+    st = status("--json")
+    b_seen = st["nodes"]["b"]
+    assert b_seen["link"] is not None, st  # etcd still has it: its lease (60 s) runs on
+    assert time.monotonic() - killed < 30
+    assert 0 <= b_seen["heard_ago"] <= time.monotonic() - killed + 2, b_seen
+    text = status()
+    assert "links as node a sees them" in text
+    row = next(line for line in text.splitlines() if line.startswith("b "))
+    assert " down " in row and " s ago" in row, text
+    assert "a" in etcd.keys(f"/wrenmq/{cl.name}/links/")[0]
+
+
 def test_node_restarted_right_after_a_crash_waits_for_its_old_registration(cluster, etcd):
     cl = cluster()
     a = cl.start("a")

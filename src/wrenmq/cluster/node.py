@@ -11,6 +11,7 @@ lease, so a node that dies leaves the cluster when its lease runs out:
     routes/<node>/s/<share>/<filter> it has members of $share/<share>/<filter>
                                      (value 1@<n> while one of them is connected, else 0@<n>)
     clients/<client id>              <node>: the client's last connection is there
+    links/<node>                     its view of its links to the others (linkview.py)
 
 Every node watches the prefix. A PUBLISH accepted on one node is written to each
 node with a matching filter over a link (one TCP connection per direction), once
@@ -50,6 +51,7 @@ import uuid
 from . import ClusterError, etcd_client, etcd_failure
 from . import frames as F
 from .handover import build_session, session_state
+from .linkview import LinkReporter
 from ..broker.topics import TopicTrie
 from .interest import (CLIENTS, NODES, ROUTES, LocalInterest, RemoteInterest, SharedPicker, parse_route_key,
                        parse_route_value, route_key, route_value)
@@ -196,6 +198,7 @@ class _OutLink(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data):
+        self.cluster.heard[self.peer.name] = time.monotonic()
         try:
             for kind, body in self.reader.feed(data):
                 if kind == F.ROUTE_ACK and self.resume.done():
@@ -279,6 +282,9 @@ class _InLink(asyncio.Protocol):
         except F.FrameError as e:
             log.warning("closing the link from %s: %s", self.peer or self.transport.get_extra_info("peername"), e)
             self.transport.abort()
+            return
+        if self.peer is not None:
+            cluster.heard[self.peer] = time.monotonic()
 
     def connection_lost(self, exc):
         if self.timer is not None:
@@ -424,6 +430,10 @@ class Cluster:
         self._moved_due = collections.deque()  # (until, client id)
         self._seen_total = 0  # messages remembered in _moved_in
         self.relayed = 0  # messages passed on to the node a session moved to
+        # Node name -> time.monotonic() of the last frame from it over either link, and what
+        # writes this node's view of its links to etcd for `wrenmq cluster status`.
+        self.heard = {}
+        self.link_view = None
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -474,6 +484,8 @@ class Cluster:
             raise
         self._main = self.loop.create_task(self._run())
         self._saver = self.loop.create_task(self._marks_every(_MARKS_EVERY))
+        self.link_view = LinkReporter(self)
+        self.link_view.start()
         log.info("cluster %s: node %s joined through etcd %s; links on %s; %d other node(s)",
                  self.name, self.node, self.endpoint, self.advertise, len(self.peers))
 
@@ -487,6 +499,8 @@ class Cluster:
             self._saver.cancel()
             if self.persist is not None:
                 self._save_marks()
+        if self.link_view is not None:
+            self.link_view.stop()
         if self._flushing is not None:
             self._flushing.cancel()
         if self._removals_timer is not None:
@@ -933,6 +947,7 @@ class Cluster:
 
     def _drop_peer(self, name):
         peer = self.peers.pop(name, None)
+        self.heard.pop(name, None)
         if peer is not None:
             self._close_peer(peer)
             self._left[name] = peer.resume_from
@@ -1229,9 +1244,10 @@ class Cluster:
                     saving = None
                 if saving is None:
                     link.mark_saving = (store.epoch_id, mark[1])
-            if told > link.mark_told:
-                link.mark_told = told
-                link.transport.write(F.encode_mark(told))
+            # Every second, also when it has not moved: the sender hears this node is there
+            # (Cluster.heard; a link open but silent shows in `wrenmq cluster status`).
+            link.mark_told = max(told, link.mark_told)
+            link.transport.write(F.encode_mark(link.mark_told))
 
     def _fall_behind(self, peer, off):
         """A live link is full past [cluster] link_buffer at offset `off`: stop writing to

@@ -1,18 +1,24 @@
 """`wrenmq cluster status`: what etcd says about a cluster, read the way the nodes read it.
 
 Per node: the address of its link, how many topic filters it subscribes to (shared
-ones apart) and how many clients' last connection is there.
+ones apart) and how many clients' last connection is there; and, as the node of the
+configuration given (the asking node) sees it, the state of its links to that node and
+how long ago it last heard from it (linkview.py). etcd keeps a dead node's keys until
+its lease runs out; the asking node's view says it is down within moments.
 """
 
 import asyncio
 import json
+import time
 
 from . import ClusterError, etcd_client, etcd_failure
 from .interest import CLIENTS, NODES, ROUTES, parse_route_key
+from .linkview import LINKS
 
 
-async def read_status(cfg):
-    """{node: {"link", "filters", "shared", "clients"}} from etcd (cfg: a [cluster] section)."""
+async def read_status(cfg, asking=None):
+    """({node: {"link", "filters", "shared", "clients"}}, the view of node `asking` of its
+    links (linkview's JSON) or None) from etcd (cfg: a [cluster] section)."""
     prefix = f"/wrenmq/{cfg.name}/"
     last = None
     for endpoint in cfg.etcd:
@@ -27,6 +33,7 @@ async def read_status(cfg):
     else:
         raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)}: {etcd_failure(cfg, last)}")
     nodes = {}
+    view = None
 
     def node(name):
         return nodes.setdefault(name, {"link": None, "filters": 0, "shared": 0, "clients": 0})
@@ -44,24 +51,74 @@ async def read_status(cfg):
                 node(parsed[0])["shared" if parsed[1] else "filters"] += 1
         elif rest.startswith(CLIENTS):
             node(kv.value.decode("utf-8", "replace"))["clients"] += 1
-    return nodes
+        elif rest == f"{LINKS}{asking}":
+            try:
+                view = json.loads(kv.value)
+                if not isinstance(view.get("peers"), dict):
+                    view = None
+            except (ValueError, AttributeError):
+                view = None
+    return nodes, view
+
+
+def _seen(view, name, asking, now):
+    """(state, seconds since last heard or None, seconds in that state or None) of `name`'s
+    links as `asking` sees them."""
+    if name == asking:
+        return "(this node)", None, None
+    p = view["peers"].get(name) if view is not None else None
+    if not isinstance(p, dict):
+        return ("?" if view is not None else None), None, None
+    heard = p.get("heard")
+    since = p.get("since")
+    return (p.get("state", "?"), None if heard is None else max(0.0, now - heard),
+            None if since is None else max(0.0, now - since))
+
+
+def _heard_text(state, ago, silent_after):
+    if state in ("down", "silent"):
+        return "never" if ago is None else f"{ago:.1f} s ago"
+    if state in ("up", "catching up", "out only", "in only"):
+        return f"< {silent_after:g} s ago"
+    return "-"
 
 
 def status_command(cfg, as_json=False):
     """Print the cluster's nodes; 0, or 1 with a message if etcd cannot be read."""
+    from ..config import cluster_node_name
+
+    asking = cluster_node_name(cfg)
     try:
-        nodes = asyncio.run(read_status(cfg.cluster))
+        nodes, view = asyncio.run(read_status(cfg.cluster, asking))
     except ClusterError as e:
         print(f"wrenmq: cluster {cfg.cluster.name}: {e}")
         return 1
+    now = time.time()
+    silent_after = float(view.get("silent_after", 0)) if view else 0.0
+    for name, v in nodes.items():
+        state, ago, since = _seen(view, name, asking, now)
+        v["state"] = state
+        v["heard_ago"] = None if ago is None else round(ago, 1)
+        v["state_for"] = None if since is None else round(since, 1)
     if as_json:
-        print(json.dumps({"cluster": cfg.cluster.name, "nodes": nodes}, indent=1, sort_keys=True))
+        print(json.dumps({"cluster": cfg.cluster.name, "seen_from": asking if view is not None else None,
+                          "nodes": nodes}, indent=1, sort_keys=True))
         return 0
     live = sorted(n for n, v in nodes.items() if v["link"])
     print(f"cluster {cfg.cluster.name}: {len(live)} node(s) (etcd {', '.join(cfg.cluster.etcd)})")
-    print(f"{'node':<24} {'link':<22} {'filters':>8} {'shared':>7} {'clients':>8}")
+    if view is not None:
+        print(f"links as node {asking} sees them (a link over which nothing came for {silent_after:g} s "
+              f"is \"silent\")")
+    else:
+        print(f"(node {asking} of this configuration is not running: no view of the links; etcd keeps a "
+              f"node that died until its lease runs out)")
+    print(f"{'node':<24} {'link':<22} {'state':<18} {'last heard':<12} {'filters':>8} {'shared':>7} {'clients':>8}")
     for name in sorted(nodes):
         v = nodes[name]
         link = v["link"] or "(gone: keys left)"
-        print(f"{name:<24} {link:<22} {v['filters']:>8} {v['shared']:>7} {v['clients']:>8}")
+        state = v["state"] or "-"
+        if v["state_for"] is not None and state in ("down", "silent"):
+            state = f"{state} for {v['state_for']:.0f} s"
+        heard = "-" if name == asking or view is None else _heard_text(v["state"], v["heard_ago"], silent_after)
+        print(f"{name:<24} {link:<22} {state:<18} {heard:<12} {v['filters']:>8} {v['shared']:>7} {v['clients']:>8}")
     return 0

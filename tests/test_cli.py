@@ -240,6 +240,41 @@ def test_help():
         assert opt in r.stdout
 
 
+def test_serve_help_lists_the_log_levels():
+    r = run(WRENMQ, "serve", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split()[r.stdout.split().index("--log-level"):])  # (argparse wraps lines)
+    for level in ("debug", "info", "warning", "error", "critical"):
+        assert level in text, r.stdout
+
+
+def test_demo_help_says_what_each_option_is():
+    r = run(WRENMQ, "demo", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "--devices N simulated devices" in text and "--seconds S how long" in text
+    assert "--master URL Spark master" in text
+
+
+def test_every_option_of_every_command_has_a_help_text():
+    import argparse
+
+    from wrenmq.cli import build_parser
+
+    missing = []
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif not action.help:
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "wrenmq")
+    assert missing == []
+
+
 def test_unknown_command_exits_2():
     r = run(WRENMQ, "frobnicate")
     assert r.returncode == 2

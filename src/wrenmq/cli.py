@@ -8,7 +8,7 @@ import signal
 import sys
 
 from . import __version__
-from .config import ConfigError, ListenerConfig, load
+from .config import LOG_LEVELS, ConfigError, ListenerConfig, load
 
 log = logging.getLogger("wrenmq")
 
@@ -137,14 +137,14 @@ def build_parser():
     s.add_argument("--bind", metavar="ADDR", help="address of the first listener")
     s.add_argument("--port", metavar="N", type=int, help="port of the first listener")
     s.add_argument("--data-dir", metavar="DIR", help="where persistent state lives")
-    s.add_argument("--log-level", metavar="LEVEL",
-                   choices=["debug", "info", "warning", "error", "critical"])
+    s.add_argument("--log-level", metavar="LEVEL", choices=LOG_LEVELS,
+                   help=f"{', '.join(LOG_LEVELS)} (default: the configuration's [logging] level, info)")
     s.set_defaults(func=_serve)
 
     c = sub.add_parser("config", help="configuration tools")
     csub = c.add_subparsers(dest="config_command", metavar="ACTION")
     cc = csub.add_parser("check", help="validate a configuration file")
-    cc.add_argument("file")
+    cc.add_argument("file", help="the TOML file")
     cc.set_defaults(func=_config_check)
     cd = csub.add_parser("docs", help="print every setting as Markdown (docs/CONFIG.md)")
     cd.set_defaults(func=_config_docs)

@@ -21,6 +21,9 @@ class ConfigError(ValueError):
     pass
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 def _key(default, doc, lo=None, hi=None, choices=None):
     meta = {"doc": doc, "lo": lo, "hi": hi, "choices": choices}
     if isinstance(default, (list, dict)):
@@ -281,7 +284,7 @@ class SysSection:
 
 @dataclass
 class LoggingSection:
-    level: str = _key("info", "Log level.", choices=("debug", "info", "warning", "error", "critical"))
+    level: str = _key("info", "Log level.", choices=LOG_LEVELS)
 
 
 @dataclass

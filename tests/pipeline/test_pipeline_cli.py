@@ -126,3 +126,22 @@ def test_archive_option_errors_fail_before_spark_starts(java, tmp_path):
     assert r.returncode == 0, r.stderr
     assert os.path.isdir(out / "_wrenmq" / "checkpoint")
     assert slowest * 3 < r.seconds, (slowest, r.seconds)
+
+
+def test_demo_keeps_the_results_whose_paths_it_prints(java, tmp_path):
+    """`wrenmq demo` (what `make demo` runs) names a Parquet file of its archive: the file is
+    there once the demo is over, in the folder it says it keeps."""
+    import re
+
+    import pyarrow.parquet as pq
+
+    env = dict(os.environ, TMPDIR=str(tmp_path), COLUMNS="1000")  # (its default folder; no wrapped paths)
+    r = subprocess.run([WRENMQ, "demo", "--devices", "4", "--seconds", "8", "--interval", "0.5", "--master",
+                        "local[1]"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    example = re.search(r"Parquet files, e\.g\. (\S+\.parquet)", r.stdout)
+    kept = re.search(r"the results stay in (\S+)", r.stdout)
+    assert example and kept, r.stdout
+    assert os.path.isabs(example.group(1)) and example.group(1).startswith(kept.group(1) + os.sep)
+    assert pq.read_table(example.group(1)).num_rows > 0
+    assert kept.group(1).startswith(str(tmp_path))

@@ -41,9 +41,9 @@ def add_passwd_parser(sub):
     p.add_argument("-I", dest="iterations", type=int, default=DEFAULT_ITERATIONS, metavar="N",
                    help=f"PBKDF2 iterations for the new hash (default {DEFAULT_ITERATIONS}, "
                         "mosquitto_passwd's)")
-    p.add_argument("file", metavar="FILE")
-    p.add_argument("user", metavar="USER")
-    p.add_argument("password", metavar="PASSWORD", nargs="?")
+    p.add_argument("file", metavar="FILE", help="the password file")
+    p.add_argument("user", metavar="USER", help="the user name")
+    p.add_argument("password", metavar="PASSWORD", nargs="?", help="with -b: the password (else asked for)")
     p.set_defaults(func=passwd_main)
     return p
 

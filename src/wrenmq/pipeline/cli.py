@@ -46,8 +46,10 @@ def add_parsers(sub):
     p.add_argument("--topics", metavar="FILTERS", help="MQTT topic filters, comma separated")
     p.add_argument("--starting-offsets", metavar="SPEC", help="earliest | latest | JSON {\"node\": offset}")
     p.add_argument("--starting-timestamp", metavar="TIME", help="ms since the epoch or ISO 8601")
-    p.add_argument("--max-records-per-trigger", metavar="N", type=int)
-    p.add_argument("--max-records-per-partition", metavar="N", type=int)
+    p.add_argument("--max-records-per-trigger", metavar="N", type=int,
+                   help="at most N log records per micro-batch (default: all there are)")
+    p.add_argument("--max-records-per-partition", metavar="N", type=int,
+                   help="split a node's range into Spark partitions of at most N records (default 250000)")
     p.add_argument("--no-fail-on-data-loss", dest="fail_on_data_loss", action="store_false",
                    help="go on when records were deleted by retention before being read")
     p.add_argument("--conf", metavar="KEY=VALUE", action="append", help="extra Spark setting (repeatable)")
@@ -71,10 +73,11 @@ def add_parsers(sub):
     g.add_argument("--broker", metavar="HOST:PORT",
                    help="replay: the broker to re-publish to (required); topic-stats --publish: where "
                         "the stats go (default 127.0.0.1:1883)")
-    g.add_argument("--from-offset", metavar="N|JSON")
-    g.add_argument("--to-offset", metavar="N|JSON", help="exclusive")
-    g.add_argument("--from-time", metavar="TIME")
-    g.add_argument("--to-time", metavar="TIME", help="exclusive")
+    g.add_argument("--from-offset", metavar="N|JSON",
+                   help="first offset: one for every node, or JSON {\"node\": offset} (default: the log start)")
+    g.add_argument("--to-offset", metavar="N|JSON", help="end offset, exclusive (default: the log end)")
+    g.add_argument("--from-time", metavar="TIME", help="first record time: ms since the epoch or ISO 8601")
+    g.add_argument("--to-time", metavar="TIME", help="end time, exclusive")
     g.add_argument("--prefix", metavar="PREFIX", default="", help="prepend to every topic, e.g. 'replay/'")
     g.add_argument("--strip-prefix", metavar="PREFIX", default="", help="remove from topics first")
     g.add_argument("--rate", metavar="MSG/S", type=float, default=0.0, help="0 = unlimited (default)")
@@ -86,12 +89,16 @@ def add_parsers(sub):
     p.set_defaults(func=run_pipeline, pipeline_parser=p)
 
     d = sub.add_parser("demo", help="broker + simulated fleet + archive and topic-stats, for a minute")
-    d.add_argument("--devices", type=int, default=200)
-    d.add_argument("--seconds", type=float, default=60.0)
-    d.add_argument("--interval", type=float, default=1.0, help="seconds between a device's messages")
-    d.add_argument("--dir", metavar="DIR", help="work dir (default: a temporary one, removed after)")
-    d.add_argument("--port", type=int, default=0, help="broker port (default: a free one)")
-    d.add_argument("--master", metavar="URL")
+    d.add_argument("--devices", type=int, default=200, metavar="N",
+                   help="simulated devices, each its own MQTT connection (default 200)")
+    d.add_argument("--seconds", type=float, default=60.0, metavar="S",
+                   help="how long the fleet publishes and the jobs run (default 60)")
+    d.add_argument("--interval", type=float, default=1.0, metavar="S",
+                   help="seconds between a device's messages (default 1)")
+    d.add_argument("--dir", metavar="DIR",
+                   help="where the broker's data and the results go, kept after (default: a new temporary folder)")
+    d.add_argument("--port", type=int, default=0, metavar="N", help="broker port (default: a free one)")
+    d.add_argument("--master", metavar="URL", help="Spark master (default local[*])")
     d.set_defaults(func=run_demo)
 
 

@@ -5,12 +5,13 @@ its own MQTT connection, JSON telemetry every second), and two streaming jobs on
 about a minute: `archive` (the Parquet lake) and `topic-stats` (10-second windows, published
 back to the broker as retained messages under $analytics/topic-stats/...). Then it prints what
 landed, read back with pyarrow (and DuckDB when installed), and a retained stats message.
+Everything stays in its work dir (`--dir`, or a new temporary folder), which it names at
+the start and the end: the paths it prints can be opened afterwards.
 """
 
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -116,7 +117,7 @@ def demo(devices=200, seconds=60.0, interval=1.0, workdir=None, port=0, master=N
     console = Console(file=out) if out is not None else Console()
     if not console.is_terminal:
         console.width = max(console.width, 120)
-    own = workdir is None
+    # The results stay where they are said to be: a new folder unless one is given.
     workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="wrenmq-demo-"))
     data = os.path.join(workdir, "data")
     lake = os.path.join(workdir, "lake")
@@ -167,6 +168,8 @@ def demo(devices=200, seconds=60.0, interval=1.0, workdir=None, port=0, master=N
                 raise q.exception()
         console.rule("[bold]what landed")
         _report(console, lake, fleet, port)
+        console.print(f"\nthe results stay in {workdir} (lake/: the Parquet; data/: the broker's log); "
+                      f"remove the folder when done")
         return 0
     finally:
         if fleet is not None:
@@ -178,8 +181,6 @@ def demo(devices=200, seconds=60.0, interval=1.0, workdir=None, port=0, master=N
             broker.wait(15)
         except subprocess.TimeoutExpired:
             broker.kill()
-        if own:
-            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _report(console, lake, fleet, port):
@@ -192,7 +193,8 @@ def _report(console, lake, fleet, port):
     t = ds.dataset(arch, format="parquet", partitioning="hive").to_table(
         columns=["offset", "prefix", "client_id", "timestamp"])
     console.print(f"published by the fleet: {fleet.sent} messages")
-    console.print(f"archive: {t.num_rows} rows in {len(files)} Parquet files, e.g. {files[0] if files else '-'}")
+    console.print(f"archive: {t.num_rows} rows in {len(files)} Parquet files, e.g. "
+                  f"{os.path.join(arch, files[0]) if files else '-'}")
     if t.num_rows:
         offs = t.column("offset").to_numpy()
         console.print(f"         offsets {offs.min()}..{offs.max()}, distinct {len(set(offs.tolist()))} "

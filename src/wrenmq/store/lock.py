@@ -80,15 +80,18 @@ class DataDirLock:
         except OSError as e:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise OSError(f"cannot lock the data dir {self.data_dir} ({self.path}): "
-                                       f"{e.strerror}") from None
+                raise OSError(f"cannot lock the data dir {self.data_dir} ({self.path}): {e.strerror}") from None
             raise DataDirInUse(
                 f"the data dir {self.data_dir} is in use by {_describe_owner(_read(self.path))}: "
                 f"two brokers on one data dir would corrupt its commit log and state database. "
                 f"Stop that one, or give this one another data dir ([storage] data_dir, --data-dir); "
                 f"lock file {self.path}") from None
         self._fd = fd
-        self._write()
+        try:
+            self._write()
+        except OSError:
+            self.release()
+            raise
 
     def _write(self):
         data = json.dumps(self.owner).encode() + b"\n"
@@ -114,10 +117,6 @@ class DataDirLock:
         except OSError:
             pass
         os.close(fd)  # (the flock goes with the last descriptor of the open file)
-
-    @property
-    def held(self):
-        return self._fd is not None
 
 
 def _alive(pid):

@@ -13,9 +13,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from conftest import subscribe  # noqa: E402
-
-from .pipeline_helpers import telemetry, write_log  # noqa: E402
+from .pipeline_helpers import subscribe, telemetry, write_log  # noqa: E402
 
 WRENMQ = str(Path(sys.executable).with_name("wrenmq"))
 

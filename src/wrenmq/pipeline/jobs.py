@@ -19,7 +19,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from .common import OptionError, parse_offsets_spec, check_log, parse_time_us, parse_topics
+from .common import OptionError, check_log, parse_offsets_spec, parse_time_us, parse_topics
 from .sink import AtomicParquetSink
 
 log = logging.getLogger("wrenmq.pipeline")

@@ -654,6 +654,65 @@ def test_packets_pipelined_behind_connect(make_broker, version, hooks):
     c.close()
 
 
+MALFORMED_PUBLISH = bytes.fromhex("36050001610001")  # a PUBLISH with QoS 3
+
+
+@pytest.mark.parametrize("storage", ["memory", "disk"])
+@pytest.mark.parametrize("qos", [0, 1])
+@pytest.mark.parametrize("version", [V311, V5])
+@pytest.mark.parametrize("connack_first", [False, True], ids=["one-write", "after-connack"])
+def test_valid_packets_before_a_malformed_one_are_handled(make_broker, tmp_path, storage, qos,
+                                                          version, connack_first):
+    """CONNECT, ten PUBLISHes and a malformed packet in one TCP write (or the ten and the bad
+    one after the CONNACK): CONNACK, ten PUBACKs and ten deliveries, in order, then the
+    close (5.0: DISCONNECT 0x81), as Mosquitto does. With the log on disk the PUBACKs wait
+    for the fsync, and the close waits for them."""
+    b = make_broker(f'[storage]\nmode = "disk"\ndata_dir = "{tmp_path}"\n' if storage == "disk" else "")
+    sub = open_client(b.port, V311, client_id="counter")
+    sub.send(Subscribe(1, [SubscribeTopic("ten/#", 1)]))
+    assert recv(sub) == Suback(1, [1])
+    ten = b"".join(publish(f"ten/{i}", b"m%d" % i, first=0x30 | qos << 1, pid=i + 1 if qos else None,
+                           version=version) for i in range(10))
+    c = RawClient(b.port, version)
+    hello = encode(Connect("ten", version), version)
+    if connack_first:
+        c.send(hello)
+        hello = b""
+        assert recv(c).reason_code == 0
+    c.send(hello + ten + MALFORMED_PUBLISH)
+    if not connack_first:
+        ack = recv(c)
+        assert isinstance(ack, Connack) and ack.reason_code == 0, show(ack)
+    if qos:
+        for pid in range(1, 11):
+            pkt = recv(c)
+            assert isinstance(pkt, Puback) and pkt.packet_id == pid and not pkt.reason_code, show(pkt)
+    expect(c, DISCONNECT(C.MALFORMED_PACKET) if version == V5 else CLOSE)
+    got = [recv(sub) for _ in range(10)]
+    assert [(p.topic, p.payload) for p in got] == [(f"ten/{i}", b"m%d" % i) for i in range(10)]
+    sub.close()
+
+
+@pytest.mark.parametrize("limit", ["publish_rate = 100", "publish_byte_rate = 50"])
+def test_valid_packets_before_a_malformed_one_under_a_rate_limit(make_broker, limit):
+    """Under a rate limit the ten go through the client's buckets like any others (all in
+    the burst; or a few, then the rest over about two seconds), and the close for the
+    malformed packet comes after them."""
+    b = make_broker(f"[limits]\n{limit}\n")
+    sub = open_client(b.port, V5, client_id="counter")
+    sub.send(Subscribe(1, [SubscribeTopic("ten/#", 0)]))
+    assert recv(sub) == Suback(1, [0])
+    c = open_client(b.port, V5, client_id="metered")
+    c.send(b"".join(publish(f"ten/{i}", first=0x32, pid=i + 1, version=V5) for i in range(10))
+           + MALFORMED_PUBLISH)
+    for pid in range(1, 11):
+        pkt = recv(c)
+        assert isinstance(pkt, Puback) and pkt.packet_id == pid, show(pkt)
+    expect(c, DISCONNECT(C.MALFORMED_PACKET))
+    assert [recv(sub).topic for _ in range(10)] == [f"ten/{i}" for i in range(10)]
+    sub.close()
+
+
 # --- timeouts and stalled clients -----------------------------------------------
 
 def test_silent_client_closed_after_connect_timeout(make_broker, raw_client):

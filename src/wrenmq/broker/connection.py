@@ -6,6 +6,9 @@ write per connection per turn), keeps time (connect timeout, keepalive) and
 applies flow control (a client that does not read is paused, not buffered
 without bound). MQTT semantics live in the router; CONNECT authentication,
 which may await a hook, is the one step handled here.
+
+A read that holds valid packets and then a bad one has the valid ones handled, in
+order, before the connection closes with the bad one's reason.
 """
 
 import asyncio
@@ -37,7 +40,7 @@ class Connection(asyncio.Protocol):
         "version", "_out", "congested", "closing", "address", "keepalive", "_watch", "_last_rx",
         "_pending", "clean_disconnect", "state", "_auth_method", "_connect", "_reason",
         "close_pending", "_paused", "_bucket", "_backlog", "_backed", "_room", "_high",
-        "_stopped", "_sniff", "_rx_turn", "__weakref__",
+        "_stopped", "_sniff", "_rx_turn", "_error", "__weakref__",
     )
 
     def __init__(self, broker, listener, name=None):
@@ -81,6 +84,9 @@ class Connection(asyncio.Protocol):
         # CONNECT: a TLS ClientHello or an HTTP request gets a log line that says so.
         self._sniff = listener.type == "mqtt" and not listener.tls
         self._rx_turn = 0  # bytes read since this connection last yielded its turn
+        # The protocol error that ends this connection; a decoder's may wait for the packets
+        # decoded before it (they are handled first, then it closes).
+        self._error = None
 
     # --- asyncio callbacks -------------------------------------------------
 
@@ -130,7 +136,10 @@ class Connection(asyncio.Protocol):
         try:
             packets = self.decoder.feed(data)
         except MQTTError as e:
-            self.protocol_error(e)
+            if e.packets:
+                self._dispatch(e.packets)
+            if not self.closing:
+                self.protocol_error(e)
             return
         self._dispatch(packets)
 
@@ -169,15 +178,15 @@ class Connection(asyncio.Protocol):
             bucket[1] = min(brate, bucket[1] + elapsed * brate)
         packets = self._backlog or []
         self._backlog = None
-        if data or self.decoder.has_rest:
+        if (data or self.decoder.has_rest) and self._error is None:
             budget = (int(bucket[0]) if mrate else 256) - len(packets)
             try:
                 packets += self.decoder.feed(data, limit=max(budget, 0))
             except MQTTError as e:
-                self._dispatch(packets)
-                if not self.closing:
-                    self.protocol_error(e)
-                return
+                # The packets before the bad one go through the buckets as any others;
+                # the error closes the connection once they are all handled.
+                packets += e.packets
+                self._error = e
         n = len(packets)
         i = 0
         while i < n:
@@ -193,6 +202,9 @@ class Connection(asyncio.Protocol):
         if self.closing:
             return
         if i == n and not self.decoder.has_rest:
+            if self._error is not None:
+                self.protocol_error(self._error)
+                return
             self._unpause(_P_RATE)
             return
         # Over the limit.
@@ -365,6 +377,7 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
 
     def protocol_error(self, err):
+        self._error = err
         who = self.session.client_id if self.session is not None else self.address
         log.info("protocol error from %s: %s", who, err)
         if isinstance(err, ConnectRefused):
@@ -378,6 +391,8 @@ class Connection(asyncio.Protocol):
     # --- CONNECT and authentication -----------------------------------------
 
     def _before_open(self, data):
+        if self._error is not None:
+            return  # after a bad packet: what it pipelined behind the CONNECT is all it gets
         if self.state == _AUTH:
             if self._auth_method is not None:
                 self._auth_exchange(data)
@@ -391,9 +406,12 @@ class Connection(asyncio.Protocol):
         try:
             packets = self.decoder.feed(data)
         except MQTTError as e:
-            if not (sniff and self._foreign(data)):
-                self.protocol_error(e)
-            return
+            packets = e.packets
+            if not packets:
+                if not (sniff and self._foreign(data)):
+                    self.protocol_error(e)
+                return
+            self._error = e  # after the CONNECT and the packets behind it (_accept)
         if not packets:
             if sniff:
                 self._foreign(data)
@@ -578,6 +596,9 @@ class Connection(asyncio.Protocol):
                 self._dispatch(pending)
             else:
                 self.data_received(pending)
+        failed = self._error
+        if failed is not None and not self.closing:
+            self.protocol_error(failed)
 
     def refuse(self, version, reason):
         """Answer a CONNECT with a failure CONNACK and close."""

@@ -3,7 +3,9 @@
 `Decoder.feed(data)` takes whatever arrived on the wire and returns every
 complete packet in it, keeping a partial packet for the next call. Every
 violation of the specification raises `MQTTError` carrying the reason code the
-peer should be told (0x81 malformed, 0x82 protocol error, 0x95 too large, ...).
+peer should be told (0x81 malformed, 0x82 protocol error, 0x95 too large, ...)
+and, in `packets`, the complete packets that came before the bad one in the same
+bytes: a client that pipelines valid packets ahead of a bad one gets them handled.
 `encode(packet, version)` is the inverse. Nothing here performs I/O.
 """
 
@@ -24,7 +26,13 @@ _pack_u32 = _U32.pack
 
 
 class MQTTError(Exception):
-    """A violation of the protocol; `reason` is the MQTT 5 reason code to report."""
+    """A violation of the protocol; `reason` is the MQTT 5 reason code to report.
+
+    Raised by `Decoder.feed`, `packets` lists the packets decoded before the violation
+    (in order), which the caller handles before it closes the connection.
+    """
+
+    packets = ()
 
     def __init__(self, reason, message):
         super().__init__(message)
@@ -586,7 +594,9 @@ class Decoder:
         With `limit`, decode at most that many packets and keep the rest of the bytes
         as they are (a rate-limited client's input waits undecoded); feed b"" later to
         go on. Bytes are copied only for a packet split across two reads (and then only
-        that packet); everything else is decoded in place.
+        that packet); everything else is decoded in place. A violation raises MQTTError
+        with the packets completed before it as its `packets`; the decoder is not
+        usable after that (the connection ends).
         """
         if type(data) is not bytes:
             data = bytes(data)
@@ -639,6 +649,7 @@ class Decoder:
 
         Returns (position of the first packet not decoded, its total size if it is
         incomplete and its fixed header is known, 0 if unknown, -1 if `count` stopped).
+        An MQTTError carries `out` (what was decoded before it) as its `packets`.
         """
         n = len(data)
         version = self.version
@@ -647,56 +658,60 @@ class Decoder:
         need = 0
         if count is not None:
             count += len(out)
-        while pos < n:
-            if count is not None and len(out) >= count:
-                need = -1
-                break
-            first = data[pos]
-            if pos + 1 >= n:
-                break
-            b = data[pos + 1]
-            if b < 128:  # one-byte remaining length: the common case
-                length = b
-                body = pos + 2
-            else:
-                length = b & 0x7F
-                body = pos + 2
-                shift = 7
-                while True:
-                    if body >= n:
-                        length = -1  # header incomplete
-                        break
-                    b = data[body]
-                    body += 1
-                    length |= (b & 0x7F) << shift
-                    if b < 128:
-                        if not b:
-                            raise _malformed("remaining length not minimally encoded")
-                        break
-                    shift += 7
-                    if shift == 28:
-                        raise _malformed("remaining length longer than 4 bytes")
-                if length < 0:
+        try:
+            while pos < n:
+                if count is not None and len(out) >= count:
+                    need = -1
                     break
-            end = body + length
-            if end - pos > limit:
-                raise MQTTError(C.PACKET_TOO_LARGE,
-                                f"packet of {end - pos} bytes exceeds the maximum of {limit}")
-            if end > n:
-                need = end - pos
-                break
-            ptype = first >> 4
-            if ptype == 3:
-                pkt = decode_publish(first & 0x0F, data, body, end, version, pos)
-            else:
-                dec = decoders[ptype]
-                if dec is None:
-                    raise _malformed("reserved packet type 0")
-                pkt = dec(first & 0x0F, data, body, end, version)
-                if ptype == 1:
-                    version = self.version = pkt.version
-            out.append(pkt)
-            pos = end
+                first = data[pos]
+                if pos + 1 >= n:
+                    break
+                b = data[pos + 1]
+                if b < 128:  # one-byte remaining length: the common case
+                    length = b
+                    body = pos + 2
+                else:
+                    length = b & 0x7F
+                    body = pos + 2
+                    shift = 7
+                    while True:
+                        if body >= n:
+                            length = -1  # header incomplete
+                            break
+                        b = data[body]
+                        body += 1
+                        length |= (b & 0x7F) << shift
+                        if b < 128:
+                            if not b:
+                                raise _malformed("remaining length not minimally encoded")
+                            break
+                        shift += 7
+                        if shift == 28:
+                            raise _malformed("remaining length longer than 4 bytes")
+                    if length < 0:
+                        break
+                end = body + length
+                if end - pos > limit:
+                    raise MQTTError(C.PACKET_TOO_LARGE,
+                                    f"packet of {end - pos} bytes exceeds the maximum of {limit}")
+                if end > n:
+                    need = end - pos
+                    break
+                ptype = first >> 4
+                if ptype == 3:
+                    pkt = decode_publish(first & 0x0F, data, body, end, version, pos)
+                else:
+                    dec = decoders[ptype]
+                    if dec is None:
+                        raise _malformed("reserved packet type 0")
+                    pkt = dec(first & 0x0F, data, body, end, version)
+                    if ptype == 1:
+                        version = self.version = pkt.version
+                out.append(pkt)
+                pos = end
+        except MQTTError as e:
+            e.packets = out  # the complete packets before the bad one, for the caller to handle
+            raise
         return pos, need
 
 

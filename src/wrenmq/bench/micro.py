@@ -44,6 +44,9 @@ class _Transport:
     def close(self):
         self.closing = True
 
+    def can_write_eof(self):
+        return False  # no half-close: a connection's close (Connection._shut) just closes
+
     def abort(self):
         self.closing = True
 

@@ -8,7 +8,9 @@ without bound). MQTT semantics live in the router; CONNECT authentication,
 which may await a hook, is the one step handled here.
 
 A read that holds valid packets and then a bad one has the valid ones handled, in
-order, before the connection closes with the bad one's reason.
+order, before the connection closes with the bad one's reason. Closing is graceful
+(`_shut`): the client must be able to read the last packet (a DISCONNECT with its
+reason, a refusing CONNACK) even while it is still sending.
 """
 
 import asyncio
@@ -32,6 +34,12 @@ _P_WRITE, _P_AUTH, _P_RATE, _P_CLOSE, _P_TURN = 1, 2, 4, 8, 16
 # Bytes a connection reads before it lets the others have a loop turn (Broker.yield_turn):
 # a pause/resume pair (two epoll_ctl at most) per 256 KiB costs nothing measurable.
 READ_TURN_BYTES = 256 * 1024
+# After its last packet a connection reads and drops what the client still sends, until
+# the client closes its side, for at most this long and at most max_packet_size (or the
+# size of the oversize packet that closed it) plus LINGER_EXTRA_BYTES: the rest of the
+# packet the client may be in the middle of, and a few more. Then it is aborted.
+LINGER_SECONDS = 2.0
+LINGER_EXTRA_BYTES = 64 * 1024
 
 
 class Connection(asyncio.Protocol):
@@ -40,7 +48,7 @@ class Connection(asyncio.Protocol):
         "version", "_out", "congested", "closing", "address", "keepalive", "_watch", "_last_rx",
         "_pending", "clean_disconnect", "state", "_auth_method", "_connect", "_reason",
         "close_pending", "_paused", "_bucket", "_backlog", "_backed", "_room", "_high",
-        "_stopped", "_sniff", "_rx_turn", "_error", "__weakref__",
+        "_stopped", "_sniff", "_rx_turn", "_error", "_wrote", "_lingering", "_discarded", "__weakref__",
     )
 
     def __init__(self, broker, listener, name=None):
@@ -87,6 +95,9 @@ class Connection(asyncio.Protocol):
         # The protocol error that ends this connection; a decoder's may wait for the packets
         # decoded before it (they are handled first, then it closes).
         self._error = None
+        self._wrote = False  # anything written yet (a connection that was not sent a byte ends at once)
+        self._lingering = False  # closed on our side, dropping the client's input (_shut)
+        self._discarded = 0  # bytes dropped while lingering
 
     # --- asyncio callbacks -------------------------------------------------
 
@@ -118,6 +129,8 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data):
         if self.closing:
+            if self._lingering:
+                self._discard(len(data))
             return
         self._last_rx = monotonic()
         n = len(data)
@@ -244,7 +257,7 @@ class Connection(asyncio.Protocol):
                 pass
 
     def eof_received(self):
-        return False
+        return False  # the transport closes (lingering: the client has read our end)
 
     def pause_writing(self):
         self._stopped = True
@@ -272,10 +285,16 @@ class Connection(asyncio.Protocol):
                 self.router.drain(self.session)
 
     def connection_lost(self, exc):
+        self._lingering = False
+        self._detach(f"connection lost ({exc})" if exc else "connection closed by client")
+        self.broker.connections.discard(self)
+
+    def _detach(self, otherwise):
+        """The connection is over for the router: its session goes offline (once). The
+        reason logged is the DISCONNECT's, the client's, or `otherwise`."""
         self.closing = True
         self.state = _CLOSED
         self._unwatch()
-        self.broker.connections.discard(self)
         session = self.session
         if session is not None:
             self.session = None
@@ -284,7 +303,7 @@ class Connection(asyncio.Protocol):
             elif self.clean_disconnect:
                 why = "client disconnected"
             else:
-                why = f"connection lost ({exc})" if exc else "connection closed by client"
+                why = otherwise
             if log.isEnabledFor(logging.INFO):
                 log.info("client %s disconnected from %s: %s", session.client_id, self.address, why)
             self.router.connection_lost(session, True, why)
@@ -337,14 +356,15 @@ class Connection(asyncio.Protocol):
             self._recheck()
 
     def write_now(self, data):
-        """Write bytes (or, for None, close the transport) right away."""
+        """Write bytes (or, for None, close the connection: _shut) right away."""
         t = self.transport
-        if t is None or t.is_closing():
+        if t is None or t.is_closing() or self._lingering:
             return
         if data is None:
-            t.close()
+            self._shut()
             return
         t.write(data)
+        self._wrote = True
         self.router.stats.bytes_sent += len(data)
         self._recheck()
 
@@ -368,8 +388,52 @@ class Connection(asyncio.Protocol):
         self.flush()
         self.closing = True
         self._unwatch()
-        if self.transport is not None:
-            self.transport.close()
+        self._shut()
+
+    def _shut(self):
+        """Close after the last packet so that the client can read it.
+
+        A socket closed with unread input sends a reset, and so does one closed when more
+        input arrives: a client still sending (PUBRELs after a DISCONNECT 0x93, packets
+        after a refusing CONNACK) then gets ECONNRESET, often before it has read the
+        reason. So the session lets go now, as at any close; the transport half-closes
+        once what it holds is written (TCP and Unix sockets: write_eof; TLS: close_notify;
+        WebSocket: a close frame, whose handshake websockets runs) and the input that
+        still comes is read and dropped until the client closes its side. A client that
+        does not is aborted after LINGER_SECONDS, or once it has sent the bytes _discard
+        allows (over TLS the TLS layer drops them unseen: the time bound applies). A
+        connection that was never sent a byte has nothing to read: it closes at once.
+        """
+        t = self.transport
+        if t is None or self._lingering or t.is_closing():
+            return
+        self._detach("closed by the broker")
+        if not self._wrote:
+            t.close()
+            return
+        self._lingering = True
+        self._watch = self.broker.watch(self, monotonic() + LINGER_SECONDS)
+        if self._paused:
+            self._paused = 0
+            try:
+                t.resume_reading()
+            except (RuntimeError, AttributeError):
+                pass
+        if not t.can_write_eof():
+            t.close()  # TLS, WebSocket: they read and drop what follows their close message
+            return
+        try:
+            t.write_eof()
+        except (OSError, RuntimeError):
+            t.abort()
+
+    def _discard(self, n):
+        """Input after our last packet: dropped, within the bound (_shut)."""
+        self._discarded += n
+        if self._discarded > self.broker.config.limits.max_packet_size + LINGER_EXTRA_BYTES:
+            log.info("closing %s: it sent %d bytes after its connection was closed",
+                     self.address, self._discarded)
+            self.abort()
 
     def abort(self):
         self.closing = True
@@ -619,8 +683,12 @@ class Connection(asyncio.Protocol):
             self._watch = None
 
     def deadline(self, now):
-        """Called by the broker's wheel (Broker.watch): connect timeout, then keepalive."""
+        """Called by the broker's wheel (Broker.watch): connect timeout, then keepalive;
+        after the close, the end of the linger (_shut)."""
         self._watch = None
+        if self._lingering:
+            self.abort()
+            return
         if self.closing:
             return
         state = self.state

@@ -469,8 +469,10 @@ class WebSocketTransport(asyncio.Transport):
       under `low` resume_writing(), as with a TCP transport.
     - pause_reading(): no more frames are taken from websockets; its queue fills and it
       stops reading the socket (TCP backpressure on the client).
-    - close(): queued bytes are sent, then the closing handshake; abort(): the TCP
-      connection is dropped. The protocol's connection_lost() comes once, at the end.
+    - close(): queued bytes are sent, then the closing handshake (websockets half-closes
+      TCP after it); frames that arrive meanwhile still reach the protocol, which drops
+      them. abort(): the TCP connection is dropped. The protocol's connection_lost()
+      comes once, at the end.
     """
 
     def __init__(self, ws, protocol, listener):
@@ -598,7 +600,11 @@ class WebSocketTransport(asyncio.Transport):
                 if not self._can_read.is_set() and not await self._wait_resume():
                     break  # paused while that frame was awaited, and closed since
                 if self._closing:
-                    continue  # closing: drain frames until websockets says it is over
+                    # Closing: drain frames until websockets says it is over; a closed
+                    # Connection drops them, counted against its bound (Connection._shut).
+                    if not isinstance(msg, str):
+                        proto.data_received(msg)
+                    continue
                 if isinstance(msg, str):
                     log.info("%s sent a text frame on WebSocket listener %s; MQTT needs binary frames, "
                              "closing", _peer(self), self._listener.label)

@@ -6,6 +6,7 @@ here, files written by `wrenmq passwd` are accepted by the `mosquitto` broker, a
 `mosquitto_pub -u/-P` logs in to wrenmq.
 """
 
+import logging
 import os
 import re
 import shutil
@@ -228,7 +229,7 @@ def test_password_check(make_broker, pwfile, version):
     assert connack(b.port, version, "alice", b"bob-pw") == bad_credentials
     assert connack(b.port, version, "alice", None) == bad_credentials
     assert connack(b.port, version, "mallory", b"alice-pw") == bad_credentials
-    assert connack(b.port, version) == 0  # loopback listener, allow_anonymous not set
+    assert connack(b.port, version) == not_authorized  # a password file, allow_anonymous not set
     b2 = make_broker(auth_config(pwfile, "allow_anonymous = false\n"))
     assert connack(b2.port, version) == not_authorized
     assert connack(b2.port, version, "alice", b"alice-pw") == 0
@@ -263,7 +264,7 @@ def test_broker_uses_file_from_mosquitto_passwd(make_broker, tmp_path):
 
 
 def test_failed_login_delay_does_not_hold_others(make_broker, pwfile):
-    b = make_broker(auth_config(pwfile, delay=1.0))
+    b = make_broker(auth_config(pwfile, "allow_anonymous = true\n", delay=1.0))
     connected = RawClient(b.port, V5)
     connected.send(Connect("already", V5, username="alice", password=b"alice-pw"))
     assert connected.recv().reason_code == 0
@@ -339,7 +340,28 @@ def test_password_users_on_public_listener(make_broker, pwfile):
     assert connack(public_port, V5, "alice", b"alice-pw") == 0
     assert connack(public_port, V5, "alice", b"bad") == 0x86
     assert connack(public_port, V5) == 0x87
-    assert connack(b.port, V5) == 0
+    assert connack(b.port, V5, "alice", b"alice-pw") == 0
+
+
+@pytest.mark.parametrize("setting,anonymous", [
+    ("", "refused"),  # as Mosquitto: a password file means clients log in, on loopback too
+    ("allow_anonymous = true\n", "accepted"),
+    ("allow_anonymous = false\n", "refused"),
+])
+def test_password_file_refuses_anonymous_unless_allowed(make_broker, pwfile, caplog, setting, anonymous):
+    """With a password file and allow_anonymous not set, anonymous clients are refused on
+    every listener, loopback ones included (their publishes would otherwise be accepted
+    and, with an ACL that names only users, dropped without a word)."""
+    caplog.set_level(logging.INFO, "wrenmq.auth")
+    b = make_broker(PUBLIC + auth_config(pwfile, setting))
+    public_port = b.broker.addresses[1][1]
+    for port in (b.port, public_port):
+        expected = {V5: 0, V311: 0} if anonymous == "accepted" else {V5: 0x87, V311: 5}
+        assert connack(port, V5) == expected[V5]
+        assert connack(port, V311) == expected[V311]
+        assert connack(port, V311, "alice", b"alice-pw") == 0
+    if not setting:
+        assert "allow_anonymous = true allows it" in caplog.text
 
 
 def test_anonymous_setting_documented():

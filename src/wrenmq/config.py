@@ -181,8 +181,10 @@ class LimitsSection:
 class AuthSection:
     # None = the key is not set (TOML has no null): decided per listener.
     allow_anonymous: bool = _key(None, "Accept clients that send no user name. Not set (shown as "
-                                 "None): accepted on listeners bound to a loopback address only, "
-                                 "refused on every other listener; true or false: on every listener.")
+                                 "None): refused everywhere when password_file is set (as in "
+                                 "Mosquitto); without one, accepted on listeners bound to a loopback "
+                                 "address only and refused on every other listener. true or false: "
+                                 "on every listener.")
     password_file: str = _key("", "Mosquitto-format password file ($6$/$7$ entries, written by "
                               "`wrenmq passwd` or `mosquitto_passwd`); empty = no password check.")
     acl_file: str = _key("", "Mosquitto-format ACL file (user/topic/pattern); empty = no ACL.")

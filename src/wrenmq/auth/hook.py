@@ -22,8 +22,10 @@ asyncio sleep: no other client waits), the same for unknown users and wrong
 passwords.
 
 Anonymous access (`[auth] allow_anonymous`): true or false applies to every
-listener; when the key is not set, anonymous clients are accepted on listeners
-bound to a loopback address only and refused on every other listener.
+listener. When the key is not set, anonymous clients are refused everywhere once a
+password file is configured (as in Mosquitto: a password file means clients log
+in); without one they are accepted on listeners bound to a loopback address only
+and refused on every other listener.
 
 Authorization (only with an `acl_file`): PUBLISH and the will need WRITE on the
 topic (the router asks when the will is published, not at CONNECT), every
@@ -109,7 +111,8 @@ class FileAuth(Hook):
             for name in listener_names(lst):
                 loopback[name] = loopback.get(name, True) and lst.loopback_only
         if self.allow_anonymous is None:
-            self.anonymous_by_listener = loopback
+            self.anonymous_by_listener = {name: local and not self.password_path
+                                          for name, local in loopback.items()}
         else:
             self.anonymous_by_listener = {name: self.allow_anonymous for name in loopback}
         self.chain = chain
@@ -174,9 +177,13 @@ class FileAuth(Hook):
         """Nobody had an opinion: the anonymous policy (True or 0x87)."""
         if self.anonymous_allowed(client.listener):
             return True
-        log.info("refusing %s on %s: %s", client.address, client.listener,
-                 "anonymous access is not allowed" if connect.username is None
-                 else "no password file to check the user name against")
+        if connect.username is not None:
+            why = "no password file to check the user name against"
+        elif self.allow_anonymous is None and self.password_path:
+            why = "anonymous access is not allowed with a password file ([auth] allow_anonymous = true allows it)"
+        else:
+            why = "anonymous access is not allowed"
+        log.info("refusing %s on %s: %s", client.address, client.listener, why)
         return C.NOT_AUTHORIZED
 
     def authenticate(self, client, connect):

@@ -604,11 +604,8 @@ class Connection(asyncio.Protocol):
     def _auth_done(self, pkt, result, auth_props=None):
         if self.closing:
             return
-        if result is None:
-            allow = self.broker.config.auth.allow_anonymous
-            if allow is None:  # not set: anonymous only where only this machine can connect
-                allow = self.listener.loopback_only
-            if not allow:
+        if result is None:  # no hook had an opinion: the [auth] anonymous policy
+            if not self.broker.auth.anonymous_allowed(self.listener_name):
                 result = C.BAD_USER_NAME_OR_PASSWORD if pkt.username is not None else C.NOT_AUTHORIZED
         if result is False:
             result = C.BAD_USER_NAME_OR_PASSWORD

@@ -1,13 +1,14 @@
 """Limits that keep one client from hurting others: rates, sizes, counts, memory."""
 
+import logging
 import socket
 import threading
 import time
 
 import pytest
 
-from conftest import RawClient, get_messages, subscribe
-from mqtt_helpers import uid, wait_for
+from conftest import RawClient, get_messages, paho_client, subscribe
+from mqtt_helpers import rc_int, uid, wait_for
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import encode
 from wrenmq.mqtt.packets import (Connect, Disconnect, Pingreq, Publish, Subscribe, SubscribeTopic,
@@ -255,6 +256,39 @@ def test_publish_byte_rate(make_broker, clients):
     got = get_messages(sub, 50, timeout=10)
     assert len(got) == 50
     assert time.monotonic() - t0 >= 1.0  # 20 KB burst, then 20 KB/s
+
+
+def oversize_publish(port, client_id, version):
+    """A paho client publishes 2 MB (the default max_packet_size is 1 MiB): how it ends."""
+    c = paho_client(port, client_id=client_id, version=version)
+    try:
+        c.publish("big/t", b"x" * 2_000_000, qos=0)
+        assert c.disconnected_event.wait(10), "the broker did not close the connection"
+        return rc_int(c.disconnect_reason)
+    finally:
+        c.loop_stop()
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_a_publish_over_max_packet_size_says_why_once_per_client_id(make_broker, caplog, version):
+    """Mosquitto takes 256 MB, so a client coming from it may not know the bound: the
+    broker log says the size and the key to raise, once per client id (not at every retry),
+    and a 5.0 client reads DISCONNECT 0x95 (the rest of the packet is read and dropped, so
+    the close does not turn into a reset while it is still sending)."""
+    caplog.set_level(logging.INFO, "wrenmq")
+    b = make_broker()
+    for _ in range(3):
+        rc = oversize_publish(b.port, "big-sender", version)
+        if version == 5:
+            assert rc == C.PACKET_TOO_LARGE
+    oversize_publish(b.port, "other-sender", version)
+    lines = [r.getMessage() for r in caplog.records if "max_packet_size" in r.getMessage()]
+    assert len(lines) == 2, lines
+    size = 4 + 7 + (1 if version == 5 else 0) + 2_000_000  # fixed header, topic, properties, payload
+    assert lines[0].startswith(f"client big-sender sent a packet of {size} bytes, over [limits] "
+                               "max_packet_size = 1048576"), lines[0]
+    assert "raise max_packet_size" in lines[0]
+    assert lines[1].startswith("client other-sender sent"), lines[1]
 
 
 def test_connection_rate_per_listener(make_broker):

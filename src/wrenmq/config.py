@@ -101,7 +101,11 @@ class BrokerSection:
 class LimitsSection:
     max_keepalive: int = _key(65535, "Largest keepalive (s) accepted; 5.0 clients asking more "
                               "(or 0) get this as server keep alive, 3.1.1 clients are refused.", 1, 65535)
-    max_packet_size: int = _key(1048576, "Largest packet (bytes) accepted from a client.", 64, 268435460)
+    max_packet_size: int = _key(1048576, "Largest packet (bytes) accepted from a client (told to 5.0 "
+                                "clients in CONNACK). A larger one closes the connection (5.0: "
+                                "DISCONNECT 0x95) and is logged with its size once per client id. "
+                                "Mosquitto accepts up to the protocol's 268435455 (256 MB); the bound "
+                                "keeps what one packet can make the broker buffer.", 64, 268435460)
     receive_maximum: int = _key(1024, "In-flight QoS 1/2 PUBLISHes a 5.0 client may send unacknowledged "
                                  "(told in CONNACK; past it DISCONNECT 0x93). A 3.1.1 client, which is "
                                  "not told, may hold as many QoS 2 PUBLISHes without PUBREL; past it "

@@ -23,6 +23,7 @@ from .sys import SysTopics
 
 THROTTLE_TICK = 0.005  # seconds between wake-ups of clients over their publish rate
 DEADLINE_TICK = 0.25  # connect timeouts and keepalives are checked this often
+FIRST_TIME_KEYS = 10_000  # keys Broker.first_time remembers per kind
 log = logging.getLogger("wrenmq.broker")
 
 
@@ -83,6 +84,7 @@ class Broker:
         self._checkpoint_handle = None
         self._disk_handle = None
         self._accept = {}  # listener name -> connection_rate token bucket
+        self._seen = {}  # kind -> keys Broker.first_time has seen
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -436,6 +438,20 @@ class Broker:
             bucket[0] = tokens
             return False
         bucket[0] = tokens - 1
+        return True
+
+    def first_time(self, kind, key):
+        """True the first time `key` (a client id, say) comes for `kind`: for log lines
+        given once per client. Past FIRST_TIME_KEYS keys of a kind they are all forgotten
+        (and may be logged again), so what clients send cannot grow it without bound."""
+        seen = self._seen.get(kind)
+        if seen is None:
+            seen = self._seen[kind] = set()
+        elif key in seen:
+            return False
+        elif len(seen) >= FIRST_TIME_KEYS:
+            seen.clear()
+        seen.add(key)
         return True
 
     def refused(self, conn, why):

@@ -18,7 +18,7 @@ import logging
 from time import monotonic
 
 from ..mqtt import constants as C
-from ..mqtt.codec import ConnectRefused, Decoder, MQTTError, encode
+from ..mqtt.codec import ConnectRefused, Decoder, MQTTError, PacketTooLarge, encode
 from ..mqtt.packets import Auth, Connack, Disconnect
 from .hooks import ClientInfo
 
@@ -430,7 +430,10 @@ class Connection(asyncio.Protocol):
     def _discard(self, n):
         """Input after our last packet: dropped, within the bound (_shut)."""
         self._discarded += n
-        if self._discarded > self.broker.config.limits.max_packet_size + LINGER_EXTRA_BYTES:
+        allowed = self.broker.config.limits.max_packet_size
+        if isinstance(self._error, PacketTooLarge):
+            allowed = max(allowed, self._error.size)  # the client can still read 0x95 after sending it
+        if self._discarded > allowed + LINGER_EXTRA_BYTES:
             log.info("closing %s: it sent %d bytes after its connection was closed",
                      self.address, self._discarded)
             self.abort()
@@ -442,8 +445,18 @@ class Connection(asyncio.Protocol):
 
     def protocol_error(self, err):
         self._error = err
-        who = self.session.client_id if self.session is not None else self.address
-        log.info("protocol error from %s: %s", who, err)
+        session = self.session
+        who = session.client_id if session is not None else self.address
+        if isinstance(err, PacketTooLarge) and self.broker.first_time(
+                "packet_too_large", who if session is not None else self.address.rpartition(":")[0]):
+            # A client whose publishes are over the limit (Mosquitto's is 256 MB) sees only
+            # a lost connection (3.1.1) or a code (5.0): say why and how to raise it, once
+            # per client id (once per host before CONNECT), not at every retry.
+            log.warning("client %s sent a packet of %d bytes, over [limits] max_packet_size = %d: "
+                        "closing its connection (raise max_packet_size to accept such packets; "
+                        "said once per client id)", who, err.size, err.limit)
+        else:
+            log.info("protocol error from %s: %s", who, err)
         if isinstance(err, ConnectRefused):
             if self.state != _OPEN:
                 self.refuse(err.version, err.reason)

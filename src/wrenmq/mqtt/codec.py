@@ -54,6 +54,15 @@ class ConnectRefused(MQTTError):
         self.version = version
 
 
+class PacketTooLarge(MQTTError):
+    """A packet of `size` bytes (fixed header included) over the decoder's `limit`."""
+
+    def __init__(self, size, limit):
+        super().__init__(C.PACKET_TOO_LARGE, f"packet of {size} bytes exceeds the maximum of {limit}")
+        self.size = size
+        self.limit = limit
+
+
 def _malformed(msg):
     return MQTTError(C.MALFORMED_PACKET, msg)
 
@@ -692,8 +701,7 @@ class Decoder:
                         break
                 end = body + length
                 if end - pos > limit:
-                    raise MQTTError(C.PACKET_TOO_LARGE,
-                                    f"packet of {end - pos} bytes exceeds the maximum of {limit}")
+                    raise PacketTooLarge(end - pos, limit)
                 if end > n:
                     need = end - pos
                     break

@@ -9,13 +9,15 @@ import asyncio
 import collections
 import gc
 import logging
+import os
 import weakref
 from time import monotonic
 
 from ..config import Config
 from ..mqtt import constants as C
 from ..store.store import SEAL_DELAY
-from .listeners import TLSReloadHook, open_listener
+from .bans import Bans
+from .listeners import ListenerError, TLSReloadHook, open_listener
 from .hooks import HookChain
 from .persistence import Persistence
 from .router import Router
@@ -85,6 +87,14 @@ class Broker:
         self._disk_handle = None
         self._accept = {}  # listener name -> connection_rate token bucket
         self._seen = {}  # kind -> keys Broker.first_time has seen
+        # Client ids, user names and addresses refused at CONNECT (0x8A); saved under the data
+        # directory with [storage] mode = "disk" (bans.py).
+        self.bans = Bans()
+        # Listener types served by layers above the broker, which the assembly adds (wrenmq
+        # serve adds "admin", wrenmq.admin.install): type -> async opener(broker, cfg, index)
+        # returning a started listener (address, label, cfg, close(), wait_closed(),
+        # reload_tls(), as broker/listeners.py's Listener has).
+        self.listener_types = {}
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -109,7 +119,14 @@ class Broker:
         # One Listener per [[listener]] (TCP, TLS, WebSocket, Unix socket): see listeners.py.
         try:
             for i, lst in enumerate(self.config.listener):
-                listener = await open_listener(self, lst, i)
+                opener = self.listener_types.get(lst.type)
+                if opener is None:
+                    if lst.type == "admin":
+                        raise ListenerError(f"listener[{i}].type: \"admin\" is served by wrenmq.admin, "
+                                            "which this broker was not assembled with (wrenmq serve is; "
+                                            "an embedding program calls wrenmq.admin.install(broker))")
+                    opener = open_listener
+                listener = await opener(self, lst, i)
                 self._servers.append(listener)
                 self.addresses.append(listener.address)
         except BaseException:
@@ -143,6 +160,7 @@ class Broker:
     def _open_store(self):
         from ..store.store import Store
 
+        self.bans.open(os.path.join(os.path.abspath(self.config.storage.data_dir), "bans.json"))
         store = Store(self.config, on_durable=self._on_durable, on_error=self._on_store_error)
         store.on_pending = self._schedule_flush
         self.store = store
@@ -494,7 +512,7 @@ class Broker:
 
     def listener_connections(self):
         """Open network connections per MQTT listener name (a CONNECT not yet read counts)."""
-        counts = {lst._conn_name: 0 for lst in self._servers if lst.cfg.type != "metrics"}
+        counts = {lst.cfg.label: 0 for lst in self._servers if lst.cfg.type not in ("metrics", "admin")}
         for conn in self.connections:
             name = conn.listener_name
             counts[name] = counts.get(name, 0) + 1

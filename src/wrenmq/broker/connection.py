@@ -48,7 +48,8 @@ class Connection(asyncio.Protocol):
         "version", "_out", "congested", "closing", "address", "keepalive", "_watch", "_last_rx",
         "_pending", "clean_disconnect", "state", "_auth_method", "_connect", "_reason",
         "close_pending", "_paused", "_bucket", "_backlog", "_backed", "_room", "_high",
-        "_stopped", "_sniff", "_rx_turn", "_error", "_wrote", "_lingering", "_discarded", "__weakref__",
+        "_stopped", "_sniff", "_rx_turn", "_error", "_wrote", "_lingering", "_discarded",
+        "bytes_in", "bytes_out", "packets_in", "__weakref__",
     )
 
     def __init__(self, broker, listener, name=None):
@@ -98,6 +99,11 @@ class Connection(asyncio.Protocol):
         self._wrote = False  # anything written yet (a connection that was not sent a byte ends at once)
         self._lingering = False  # closed on our side, dropping the client's input (_shut)
         self._discarded = 0  # bytes dropped while lingering
+        # What the admin API shows per client, counted per read and per write (where the
+        # broker's own totals are counted), never per message.
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.packets_in = 0
 
     # --- asyncio callbacks -------------------------------------------------
 
@@ -135,6 +141,7 @@ class Connection(asyncio.Protocol):
         self._last_rx = monotonic()
         n = len(data)
         self.router.stats.bytes_received += n
+        self.bytes_in += n
         self._rx_turn += n
         if self._rx_turn >= READ_TURN_BYTES:
             self._rx_turn = 0
@@ -157,6 +164,7 @@ class Connection(asyncio.Protocol):
         self._dispatch(packets)
 
     def _dispatch(self, packets):
+        self.packets_in += len(packets)
         router = self.router
         router.arrived()
         handlers = router.handlers
@@ -365,7 +373,9 @@ class Connection(asyncio.Protocol):
             return
         t.write(data)
         self._wrote = True
-        self.router.stats.bytes_sent += len(data)
+        n = len(data)
+        self.router.stats.bytes_sent += n
+        self.bytes_out += n
         self._recheck()
 
     def close(self, reason=None):
@@ -532,6 +542,15 @@ class Connection(asyncio.Protocol):
         return ClientInfo(pkt.client_id, pkt.username, self.address, pkt.version, self.listener_name)
 
     def _authenticate(self, pkt):
+        bans = self.broker.bans
+        if bans.entries:
+            ban = bans.match(pkt.client_id, pkt.username, self.address)
+            if ban is not None:
+                bans.refused += 1
+                log.info("refusing %s (client %s, user %r): banned by %s %s", self.address, pkt.client_id,
+                         pkt.username, ban.kind, ban.value)
+                self.refuse(pkt.version, C.BANNED)
+                return
         hooks = self.broker.hooks
         props = pkt.properties
         method = props.get("authentication_method") if props and pkt.version == C.MQTT5 else None

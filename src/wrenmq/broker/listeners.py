@@ -33,7 +33,6 @@ import errno
 import hashlib
 import hmac
 import http
-import json
 import logging
 import os
 import re
@@ -908,18 +907,9 @@ class Listener:
             backlog=128, reuse_address=True)
 
     def _health(self):
-        """GET /health, as (status code, JSON body): 200 and {"status": "ok"} while the broker
-        takes messages, "disk_low" while [storage] min_free_bytes stops it (it still
-        serves); 503 and "failed" once the store can no longer write (it is stopping)."""
-        broker = self.broker
-        store = broker.store
-        if broker.failed is not None:
-            status, code = "failed", http.HTTPStatus.SERVICE_UNAVAILABLE
-        elif store is not None and store.disk_low:
-            status, code = "disk_low", http.HTTPStatus.OK
-        else:
-            status, code = "ok", http.HTTPStatus.OK
-        return code, json.dumps({"status": status}) + "\n"
+        """GET /health, as (status code, JSON body): metrics.health."""
+        from .metrics import health
+        return health(self.broker)
 
     async def _metrics_login(self, user, password):
         """A metrics listener's `users` check: a listed user whose password the password

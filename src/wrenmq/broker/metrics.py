@@ -7,6 +7,9 @@ scrape arrives: nothing is computed between scrapes and nothing here touches the
 path. Rates and averages are Prometheus's job, so $SYS's load averages are left out.
 """
 
+import http
+import json
+
 from .. import __version__
 
 # ($SYS topic, metric name, type, help). Counters end in _total, as Prometheus expects.
@@ -166,6 +169,21 @@ def render(sys_topics):
         out.append(f"{name} {int(value)}")
     out.append("")
     return "\n".join(out)
+
+
+def health(broker):
+    """GET /health (metrics and admin listeners), as (status code, JSON body): 200 and
+    {"status": "ok"} while the broker takes messages, "disk_low" while [storage]
+    min_free_bytes stops it (it still serves); 503 and "failed" once the store can no
+    longer write (it is stopping)."""
+    store = broker.store
+    if broker.failed is not None:
+        status, code = "failed", http.HTTPStatus.SERVICE_UNAVAILABLE
+    elif store is not None and store.disk_low:
+        status, code = "disk_low", http.HTTPStatus.OK
+    else:
+        status, code = "ok", http.HTTPStatus.OK
+    return code, json.dumps({"status": status}) + "\n"
 
 
 def _label(value):

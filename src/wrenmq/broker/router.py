@@ -1503,6 +1503,27 @@ class Router:
         msg = self._new_message(topic, payload, qos, retain, props, "", None, time.time())
         return self.publish(msg)
 
+    def disconnect_client(self, client_id, reason=C.ADMINISTRATIVE_ACTION, end_session=False):
+        """An operator's kick (the admin API): close client `client_id`'s connection, a 5.0
+        client told DISCONNECT `reason` first, and with `end_session` end its session as well
+        (a will it left is published then, as whenever a session ends). Without it the
+        session stays for the client's return, as after any lost connection. Returns False
+        when no session here has that client id."""
+        session = self.sessions.get(client_id)
+        if session is None:
+            return False
+        conn = session.conn
+        if conn is not None:
+            log.info("client %s: disconnected by an operator%s", client_id,
+                     " (session ended)" if end_session else "")
+            if end_session:
+                session.expiry_interval = 0  # connection_lost ends it once the connection is gone
+            conn.close(reason)
+        elif end_session:
+            log.info("session %s ended by an operator", client_id)
+            self.end_session(session)
+        return True
+
     def disconnect_all(self, reason=C.SERVER_SHUTTING_DOWN):
         for session in list(self.sessions.values()):
             if session.conn is not None:

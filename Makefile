@@ -30,7 +30,10 @@ TEST_DEBIAN_PKGS := \
 	mosquitto:mosquitto \
 	etcd:etcd-server \
 	etcdctl:etcd-client \
-	java:openjdk-17-jre-headless
+	java:openjdk-17-jre-headless \
+	chromium:chromium \
+	chromedriver:chromium-driver \
+	tmux:tmux
 
 # npm packages the tests need, installed into $(NPM_PREFIX); their binaries are
 # put on PATH for pytest (mqtt = MQTT.js, for the WebSocket/TCP interop tests).

@@ -36,8 +36,10 @@ class ListenerConfig:
     type: str = _key("mqtt", "\"mqtt\": MQTT over TCP; \"ws\": MQTT over WebSocket (subprotocol mqtt); "
                      "\"unix\": MQTT over a Unix domain socket at `path` (local tools); "
                      "\"metrics\": no MQTT, the $SYS figures for Prometheus over HTTP (GET `path`), and a "
-                     "health probe (GET /health).",
-                     choices=("mqtt", "ws", "unix", "metrics"))
+                     "health probe (GET /health); \"admin\": no MQTT, the admin HTTP API under /api/v1/, "
+                     "the live dashboard at /, and /metrics and /health as a metrics listener has "
+                     "(docs/ADMIN.md).",
+                     choices=("mqtt", "ws", "unix", "metrics", "admin"))
     bind: str = _key("127.0.0.1", "Address to listen on; 0.0.0.0 or :: for all interfaces.")
     port: int = _key(1883, "TCP port; 0 picks a free port.", 0, 65535)
     name: str = _key("", "Name used in logs and $SYS; defaults to bind:port (unix: unix:path).")
@@ -45,7 +47,8 @@ class ListenerConfig:
                      "metrics: the HTTP path of the figures (empty = /metrics); "
                      "unix: the socket file (required).")
     mode: str = _key("0600", "unix: file mode of the socket (octal), e.g. \"0660\" to let the group in.")
-    tls: bool = _key(False, "Serve TLS (mqtt: MQTT over TLS, ws: wss://, metrics: HTTPS); needs certfile.")
+    tls: bool = _key(False, "Serve TLS (mqtt: MQTT over TLS, ws: wss://, metrics and admin: HTTPS); "
+                     "needs certfile.")
     certfile: str = _key("", "PEM server certificate (chain); with tls. Reloaded on SIGHUP.")
     keyfile: str = _key("", "PEM private key of certfile; empty if certfile holds the key too.")
     cafile: str = _key("", "PEM CA certificate(s) that sign client certificates.")
@@ -61,7 +64,17 @@ class ListenerConfig:
                          "(non-browsers) are let in. Empty = any origin.")
     users: list = _key([], "metrics: user names of [auth] password_file that may read the figures, "
                        "with HTTP Basic authentication (Prometheus: basic_auth); others get 401. "
-                       "Empty = no password asked.")
+                       "Empty = no password asked. admin: the users (HTTP Basic) who may read and "
+                       "change everything the API and the dashboard offer.")
+    readonly_users: list = _key([], "admin: user names of [auth] password_file who may read (GET) the "
+                                "API and the dashboard but change nothing (403).")
+    token_file: str = _key("", "admin: the API tokens file `wrenmq admin token` writes (hashes only; "
+                           "re-read when it changes). Requests send a token as "
+                           "`Authorization: Bearer <token>`; a token is read-write or read-only.")
+    anonymous: str = _key("none", "admin: what a request without credentials may do: \"none\" "
+                          "(401), \"read\" (GET only) or \"write\" (everything). Other than "
+                          "\"none\" only on a listener bound to a loopback address.",
+                          choices=("none", "read", "write"))
 
     @property
     def label(self):
@@ -389,12 +402,14 @@ def _validate_listener(src, i, lst):
             fail("path", f"expected an HTTP path starting with '/', got {lst.path!r}")
     elif lst.path:
         fail("path", "only for type = \"ws\", \"metrics\" or \"unix\"")
-    if lst.type == "metrics" and lst.use_identity_as_username:
-        fail("use_identity_as_username", "not for type = \"metrics\" (no MQTT user there)")
+    if lst.type in ("metrics", "admin") and lst.use_identity_as_username:
+        fail("use_identity_as_username", f"not for type = \"{lst.type}\" (no MQTT user there)")
     if lst.origins and lst.type != "ws":
         fail("origins", "only for type = \"ws\"")
-    if lst.users and lst.type != "metrics":
-        fail("users", "only for type = \"metrics\" (MQTT clients log in with [auth] password_file)")
+    if lst.users and lst.type not in ("metrics", "admin"):
+        fail("users", "only for type = \"metrics\" or \"admin\" (MQTT clients log in with [auth] "
+                      "password_file)")
+    _validate_admin(fail, lst)
     for origin in lst.origins:
         if "://" not in origin:
             fail("origins", f"expected origins like \"https://host[:port]\", got {origin!r}")
@@ -418,6 +433,29 @@ def _validate_listener(src, i, lst):
         fail("use_identity_as_username", "needs require_certificate = true")
     if lst.crlfile and not lst.cafile:
         fail("crlfile", "needs cafile (the CA whose revocations it lists)")
+
+
+def _validate_admin(fail, lst):
+    """The keys of an admin listener: only there, and at least one way in."""
+    if lst.type != "admin":
+        for key in ("readonly_users", "token_file"):
+            if getattr(lst, key):
+                fail(key, "only for type = \"admin\"")
+        if lst.anonymous != "none":
+            fail("anonymous", "only for type = \"admin\" (MQTT listeners: [auth] allow_anonymous)")
+        return
+    both = set(lst.users) & set(lst.readonly_users)
+    if both:
+        fail("readonly_users", f"{', '.join(sorted(both))} also in users (pick one)")
+    if lst.anonymous != "none" and not lst.loopback_only:
+        fail("anonymous", f"{lst.anonymous!r} only on a listener bound to a loopback address "
+                          f"(this one binds {lst.bind!r}): elsewhere every request needs credentials")
+    if lst.token_file and not os.path.isfile(lst.token_file):
+        fail("token_file", f"file not found: {lst.token_file} (create it with `wrenmq admin token add "
+                           f"NAME --file {lst.token_file}`)")
+    if not (lst.users or lst.readonly_users or lst.token_file) and lst.anonymous == "none":
+        fail("users", "an admin listener needs a way in: users, readonly_users (with [auth] "
+                      "password_file), token_file, or anonymous on a loopback address")
 
 
 def _check_tls_files(fail, section, flag, keys):
@@ -476,9 +514,10 @@ def validate(cfg):
     seen = set()
     for i, lst in enumerate(cfg.listener):
         _validate_listener(src, i, lst)
-        if lst.users and not cfg.auth.password_file:
-            raise ConfigError(f"{src}: listener[{i}].users: needs [auth] password_file (where their "
-                              "passwords are)")
+        for key in ("users", "readonly_users"):
+            if getattr(lst, key) and not cfg.auth.password_file:
+                raise ConfigError(f"{src}: listener[{i}].{key}: needs [auth] password_file (where their "
+                                  "passwords are)")
         key = ("unix", lst.path) if lst.type == "unix" else (lst.bind, lst.port)
         if (lst.port or lst.type == "unix") and key in seen:
             raise ConfigError(f"{src}: listener[{i}]: duplicate listener {lst.label}")

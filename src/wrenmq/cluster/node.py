@@ -434,6 +434,9 @@ class Cluster:
         # writes this node's view of its links to etcd for `wrenmq cluster status`.
         self.heard = {}
         self.link_view = None
+        # What this node tells the others besides its link address (advertise_info), in its
+        # registration: put again with it when the node re-joins.
+        self.info = {}
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -550,7 +553,7 @@ class Cluster:
         while True:
             ok, responses = await etcd.transaction(
                 compare=[tx.create(key) == 0],
-                success=[tx.put(key, json.dumps({"link": self.advertise}).encode(), lease=self.lease)],
+                success=[tx.put(key, self._registration(), lease=self.lease)],
                 failure=[])
             if ok or time.monotonic() >= deadline:
                 break
@@ -586,6 +589,38 @@ class Cluster:
         await self._flush_pending()
         self._announce()
         await self._resync()
+
+    def _registration(self):
+        return json.dumps({**self.info, "link": self.advertise}).encode()
+
+    def advertise_info(self, key, value):
+        """Tell the other nodes `key` = `value` about this node (where its admin listener is,
+        say), in its registration in etcd; `read_info` reads them back."""
+        self.info[key] = value
+        if self.lease is not None:
+            self.loop.create_task(self._put_registration())
+
+    async def _put_registration(self):
+        try:
+            await self.etcd.put(f"{self.prefix}{NODES}{self.node}".encode(), self._registration(),
+                                lease=self.lease)
+        except Exception as e:  # the next re-join writes it again
+            log.warning("cluster: could not update this node's registration in etcd: %s", e)
+
+    async def read_info(self, key):
+        """{node: value} of `key` as each node told it (advertise_info), read from etcd now."""
+        got = await asyncio.wait_for(self.etcd.get_prefix(f"{self.prefix}{NODES}".encode()),
+                                     self.cfg.etcd_timeout)
+        out = {}
+        start = len(self.prefix) + len(NODES)
+        for kv in got:
+            try:
+                value = json.loads(kv.value).get(key)
+            except (ValueError, AttributeError):
+                continue
+            if value is not None:
+                out[kv.key.decode("utf-8", "replace")[start:]] = value
+        return out
 
     async def _resync(self):
         """Read every key of the cluster (the other nodes, their interest, the clients) and

@@ -62,6 +62,8 @@ async def _run(cfg):
     except ConfigError as e:  # e.g. a password or ACL file that cannot be used
         log.error("cannot start: %s", e)
         return 2
+    from .admin import install as install_admin
+    install_admin(broker)
     loop = asyncio.get_running_loop()
     # Before the listeners open: a SIGTERM that comes as soon as the port answers (a
     # service manager, a test) must stop the broker cleanly, not kill it by default action.
@@ -165,6 +167,9 @@ def build_parser():
 
     from .store.cli import add_parser as add_log_parser
     add_log_parser(sub)
+
+    from .admin.commands import add_parsers as add_admin_parsers  # admin token, top, bench
+    add_admin_parsers(sub)
     return p
 
 

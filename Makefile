@@ -8,6 +8,7 @@
 #   make bench-cluster                     one node vs two nodes through etcd (~2 min)
 #   make soak  [ARGS="--minutes 10"]       client churn: does memory settle? (vs Mosquitto, ~13 min)
 #   make fuzz  [EXAMPLES=20000]            the fuzz targets, long
+#   make screenshots                       docs/dashboard*.png from a broker under load (~1.5 min) 
 #   make demo  [ARGS="--devices 50"]       broker + simulated fleet + Spark jobs, for a minute
 #   make clean                             remove .venv, .bench and build caches (not data)
 
@@ -54,10 +55,10 @@ BUILD_DEBIAN_PKGS := gcc:gcc $(PY_INCLUDE)/Python.h:python3-dev
 COMPILED_SOURCES := setup.py src/wrenmq/mqtt/codec.py src/wrenmq/store/_encode.py \
                     src/wrenmq/store/_encode.pxd src/wrenmq/store/_epoch.py src/wrenmq/store/_epoch.pxd
 
-.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-cluster bench-deps soak demo fuzz clean
+.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-cluster bench-deps soak demo fuzz screenshots clean
 
 help:
-	@sed -n '4,12p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,13p' Makefile | sed 's/^# \{0,1\}//'
 
 # --- virtualenv --------------------------------------------------------------
 
@@ -130,6 +131,13 @@ soak: bench-deps
 # conversations to a live broker and takes about 23 minutes here (600: about 2).
 fuzz: test-deps
 	WRENMQ_FUZZ_EXAMPLES=$${EXAMPLES:-5000} $(PY) -m pytest -q -s --timeout=0 tests/test_fuzz.py $(PYTEST_ARGS)
+
+# --- screenshots ---------------------------------------------------------------
+
+# The dashboard's pictures in docs/: the dashboard test in headless Chromium, with a
+# minute of `wrenmq bench` load so the charts have something to show.
+screenshots: test-deps
+	WRENMQ_SCREENSHOTS=docs WRENMQ_TEST_NO_SKIP=1 $(PY) -m pytest -q tests/test_admin_dashboard.py -k screenshot
 
 # --- demo --------------------------------------------------------------------
 

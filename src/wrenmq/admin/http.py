@@ -27,6 +27,8 @@ log = logging.getLogger("wrenmq.admin")
 MAX_HEADERS = 16 * 1024
 MAX_BODY = 4 * 1024 * 1024  # a publish of a 1 MiB payload as base64 fits, with room
 REQUEST_TIMEOUT = 30.0
+LINGER = 2.0  # seconds a refused request's connection reads and drops what still comes
+LINGER_BYTES = 16 * 1024 * 1024
 _END = object()
 
 REASONS = {200: "OK", 201: "Created", 204: "No Content", 304: "Not Modified", 400: "Bad Request",
@@ -134,6 +136,7 @@ class HttpConnection(asyncio.Protocol):
         self.writable = asyncio.Event()
         self.writable.set()
         self.closed = False
+        self.discarded = 0  # bytes read and dropped after a refusal (_refuse)
 
     # --- asyncio callbacks --------------------------------------------------------
 
@@ -146,6 +149,9 @@ class HttpConnection(asyncio.Protocol):
 
     def data_received(self, data):
         if self.closed:
+            self.discarded += len(data)
+            if self.discarded > LINGER_BYTES:
+                self.transport.abort()
             return
         self.conn.receive_data(data)
         if self.task is not None:
@@ -242,14 +248,24 @@ class HttpConnection(asyncio.Protocol):
                 return
 
     def _refuse(self, status, message):
-        """Answer an unusable request at once and close (what was left unread stays so)."""
+        """Answer an unusable request at once, then close. What the client still sends (the
+        rest of a body too large) is read and dropped for a moment first, up to
+        LINGER_BYTES: closing a socket with unread data resets it, and the client would
+        lose the answer."""
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             try:
                 self._write(error_response(status, message), head=False, close=True)
             except h11.LocalProtocolError:
                 pass
-        self.transport.close()
         self.closed = True
+        self._disarm()
+        t = self.transport
+        if t.can_write_eof():
+            t.write_eof()
+            t.resume_reading()
+            asyncio.get_running_loop().call_later(LINGER, t.close)
+        else:
+            t.close()
 
     async def _answer(self, request):
         try:

@@ -119,7 +119,7 @@ const charts = {};
 function setupCharts() {
   charts.rates = new TimeChart($("#chart-rates"), {height: 240, format: fmtRate});
   charts.connections = new TimeChart($("#chart-connections"), {height: 190, format: (v) => fmtNum(v, 0)});
-  charts.bytes = new TimeChart($("#chart-bytes"), {height: 190, format: fmtBytes});
+  charts.bytes = new TimeChart($("#chart-bytes"), {height: 190, format: fmtBytes, binary: true});
   charts.log = new TimeChart($("#chart-log"), {height: 220, format: fmtNum});
 }
 
@@ -344,7 +344,8 @@ async function loadClientDetail(cid) {
       kv("State", c.connected ? `connected ${fmtAgo(c.connected_at)}` : "offline session"),
       kv("User", c.username || "–"), kv("Address", c.address || "–"), kv("Listener", c.listener || "–"),
       kv("MQTT", c.protocol), kv("Keepalive", c.keepalive === null ? "–" : `${c.keepalive}s`),
-      kv("Session expiry", c.session_expiry_interval === 4294967295 ? "never" : `${c.session_expiry_interval}s`),
+      kv("Session expiry", c.session_expiry_interval === 4294967295 ? "never"
+         : c.session_expiry_interval ? fmtDuration(c.session_expiry_interval) + " after it goes" : "ends with the connection"),
       kv("In-flight · queued", `${c.inflight} · ${c.queued} (${fmtBytes(c.queued_bytes)})`),
       kv("Packets in", fmtNum(c.packets_in)), kv("Bytes in · out", `${fmtBytes(c.bytes_in)} · ${fmtBytes(c.bytes_out)}`),
       kv("Dropped", fmtNum(c.dropped)),

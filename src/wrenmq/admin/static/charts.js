@@ -13,9 +13,14 @@ function svgEl(name, attrs, parent) {
   return el;
 }
 
-// Round numbers for an axis: about `count` ticks from 0 to at least `max`.
-function niceTicks(max, count) {
+// Round numbers for an axis: about `count` ticks from 0 to at least `max` (with `binary`,
+// round in KiB, MiB, ...: byte axes read 256 KiB, not 262,144).
+function niceTicks(max, count, binary) {
   if (!(max > 0)) max = 1;
+  if (binary && max >= 1024) {
+    const unit = Math.pow(1024, Math.floor(Math.log(max) / Math.log(1024)));
+    return niceTicks(max / unit, count, false).map((v) => v * unit);
+  }
   const raw = max / count;
   const mag = Math.pow(10, Math.floor(Math.log10(raw)));
   const norm = raw / mag;
@@ -72,7 +77,7 @@ class TimeChart {
     for (const s of this.series) if (s.values.length && s.values[0][0] < tFirst) tFirst = s.values[0][0];
     const span = Math.min(this.opts.span, Math.max(60, tMax - tFirst));
     const tMin = tMax - span;
-    const ticks = niceTicks(vMax, 4);
+    const ticks = niceTicks(vMax, 4, this.opts.binary);
     const top = ticks[ticks.length - 1];
     const pw = g.w - g.left - g.right, ph = g.h - g.top - g.bottom;
     const x = (t) => g.left + ((t - tMin) / (tMax - tMin)) * pw;

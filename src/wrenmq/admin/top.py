@@ -335,7 +335,8 @@ def main(args):
                     del history[key][:-SPARK]
             text = render(title, rows, history, error or note)
             if args.once:
-                if rows and (not args.broker or source.rates or time.monotonic() - started > 15):
+                # ($SYS: once two updates have come, so the figures are of now, not retained ones)
+                if rows and (not args.broker or source.measured or time.monotonic() - started > 25):
                     print(text)
                     return 0
                 if time.monotonic() - started > 30:

@@ -6,6 +6,11 @@ they change, they change through the broker's public methods (`Router.disconnect
 `cursor` (the `next` of the previous page, opaque), ordered by their key (client id;
 client id and filter; topic). A list walks every session to filter them, in slices with a
 loop turn between them, so a broker with a million sessions is not held up for the walk.
+
+In a cluster, what is spread over the nodes (clients and sessions, subscriptions, the
+log's partitions, a client wherever it is, bans) is answered for the whole cluster: this
+node asks the others (peers.py) and merges their answers in key order; `?local=true`
+asks for this node's part only. Retained messages are on every node already.
 """
 
 import asyncio
@@ -21,6 +26,7 @@ from ..broker.bans import KINDS, BanError
 from ..broker.topics import TopicError, validate_topic_filter
 from ..mqtt import constants as C
 from .http import HttpError, Response, json_response
+from .peers import Peers
 
 log = logging.getLogger("wrenmq.admin")
 
@@ -144,12 +150,61 @@ def properties_json(props):
 # --- the API ---------------------------------------------------------------------------
 
 
+def _failure(status, data):
+    if status is None:
+        return str(data)
+    return f"{status}: {data.get('error') if isinstance(data, dict) else data}"
+
+
 class Api:
     def __init__(self, admin):
         self.admin = admin
         self.broker = admin.broker
         self.router = admin.broker.router
         self._bans_written = asyncio.Lock()
+        self.peers = Peers(admin)
+
+    def _wide(self, request):
+        """Whether to answer for the whole cluster (other nodes to ask, and not ?local=true)."""
+        return self.peers.active and not bool_param(request.query, "local")
+
+    async def _merge(self, request, out, limit, key):
+        """Add the other nodes' pages of the same list to `out` (this node's page), in key order."""
+        answers = await self.peers.ask_all(request, "GET", request.path)
+        items, total, more = list(out["items"]), out["total"], out["next"] is not None
+        unreachable = {}
+        for node, (status, data) in answers.items():
+            if status == 200 and isinstance(data, dict):
+                items += data["items"]
+                total += data["total"]
+                more = more or data["next"] is not None
+            else:
+                unreachable[node] = _failure(status, data)
+        items.sort(key=key)
+        more = more or len(items) > limit
+        items = items[:limit]
+        out.update(items=items, total=total, next=encode_cursor(key(items[-1])) if more and items else None)
+        if unreachable:
+            out["unreachable"] = unreachable
+        return out
+
+    async def _elsewhere(self, request, method):
+        """The answer of the node that has what this one has not (a client), or None."""
+        if not self._wide(request):
+            return None
+        answers = await self.peers.ask_all(request, method, request.path)
+        for node, (status, data) in sorted(answers.items()):
+            if status is not None and status != 404:
+                return json_response(data, status) if data is not None else Response(status, content_type=None)
+        return None
+
+    async def _tell_others(self, request, method, body=None):
+        """Do the same on every other node (bans); {node: status or failure}."""
+        if not self._wide(request):
+            return None
+        answers = await self.peers.ask_all(request, method, request.path, body=body)
+        return {node: status if status in (200, 201, 204, 404) else _failure(status, data)
+                for node, (status, data) in answers.items()}
 
     # --- clients ---
 
@@ -232,8 +287,10 @@ class Api:
         found = await self._sessions(keep)
         page, nxt = take_page([(s.client_id, s) for s in found], limit, after)
         now_mono, now_wall = self.router.clock(), time.time()
-        return json_response({"items": [self.client_json(s, now_mono, now_wall) for s in page],
-                              "total": len(found), "next": nxt})
+        out = {"items": [self.client_json(s, now_mono, now_wall) for s in page], "total": len(found), "next": nxt}
+        if self._wide(request):
+            await self._merge(request, out, limit, lambda c: c["client_id"])
+        return json_response(out)
 
     def _session(self, client_id):
         session = self.router.sessions.get(client_id)
@@ -242,12 +299,20 @@ class Api:
         return session
 
     async def client(self, request):
+        if request.params["client_id"] not in self.router.sessions:
+            answer = await self._elsewhere(request, "GET")
+            if answer is not None:
+                return answer
         session = self._session(request.params["client_id"])
         return json_response(self.client_json(session, self.router.clock(), time.time(), detail=True))
 
     async def kick(self, request):
         cid = request.params["client_id"]
         end = bool(bool_param(request.query, "session"))
+        if cid not in self.router.sessions:
+            answer = await self._elsewhere(request, "DELETE")
+            if answer is not None:
+                return answer
         session = self._session(cid)
         was_connected = session.conn is not None
         if not was_connected and not end:
@@ -273,8 +338,10 @@ class Api:
         keyed = [((s.client_id, f), (s, sub)) for s in sessions for f, sub in s.subscriptions.items()
                  if f.startswith(prefix)]
         page, nxt = take_page(keyed, limit, after)
-        return json_response({"items": [self.subscription_json(s, sub) for s, sub in page],
-                              "total": len(keyed), "next": nxt})
+        out = {"items": [self.subscription_json(s, sub) for s, sub in page], "total": len(keyed), "next": nxt}
+        if self._wide(request):
+            await self._merge(request, out, limit, lambda s: (s["client_id"], s["filter"]))
+        return json_response(out)
 
     # --- retained messages ---
 
@@ -454,13 +521,20 @@ class Api:
                  kind, ban.value, f" until {time.ctime(until)}" if until else "", len(kicked))
         out = ban.as_dict()
         out["disconnected"] = kicked
+        others = await self._tell_others(request, "POST", {"kind": kind, "value": value, "until": until,
+                                                           "reason": reason})
+        if others is not None:
+            out["nodes"] = others
         return json_response(out, 201)
 
     async def unban(self, request):
         kind, value = request.params["kind"], request.params["value"]
         if kind not in KINDS:
             raise HttpError(404, f"no ban kind {kind[:40]!r} (kinds: {', '.join(KINDS)})")
+        others = await self._tell_others(request, "DELETE")
         if not self.broker.bans.remove(kind, value):
+            if others and any(s == 204 for s in others.values()):
+                return Response(204, content_type=None)
             raise HttpError(404, f"no ban of {kind} {value[:200]!r}")
         await self._save_bans()
         log.info("admin: %s lifted the ban of %s %s", request.identity.name, kind, value)
@@ -515,6 +589,13 @@ class Api:
                 "disk_free_bytes": store.disk_free if store.min_free else None,
                 "disk_low": store.disk_low,
             })
+        if self._wide(request):
+            answers = await self.peers.ask_all(request, "GET", request.path)
+            for node, (status, data) in sorted(answers.items()):
+                if status == 200:
+                    out["partitions"] += data["partitions"]
+                else:
+                    out.setdefault("unreachable", {})[node] = _failure(status, data)
         return json_response(out)
 
     async def nodes(self, request):
@@ -525,11 +606,22 @@ class Api:
         if cluster is not None:
             me["link"] = cluster.advertise
             out["cluster"] = cluster.name
-            admins = await self.admin.listener.peer_admins()
+            admins = await self.peers.urls()
+            figures = await self.peers.ask_all(request, "GET", "/api/v1/stats", params={}) \
+                if not bool_param(request.query, "local") else {}
             for name, peer in sorted(cluster.peers.items()):
-                out["nodes"].append({"name": name, "self": False, "up": bool(peer.up),
-                                     "link": peer.address, "admin": admins.get(name)})
+                node = {"name": name, "self": False, "up": bool(peer.up), "link": peer.address,
+                        "admin": admins.get(name)}
+                status, data = figures.get(name, (None, None))
+                if status == 200:
+                    node["connected"] = data["sys"].get("$SYS/broker/clients/connected")
+                    node["rates"] = data["rates"]
+                out["nodes"].append(node)
             out["etcd_connected"] = bool(cluster.etcd_up)
+        sample = self.admin.feed.history[-1] if self.admin.feed.history else None
+        if sample is not None:
+            me["connected"] = sample["figures"]["connected"]
+            me["rates"] = sample["rates"]
         return json_response(out)
 
     async def events(self, request):

@@ -342,7 +342,7 @@ async function loadClientDetail(cid) {
     el("div", {class: "detail-head"}, statusDot(c.connected), el("h3", {class: "mono", text: c.client_id})),
     el("div", {class: "kvs"},
       kv("State", c.connected ? `connected ${fmtAgo(c.connected_at)}` : "offline session"),
-      kv("User", c.username || "–"), kv("Address", c.address || "–"), kv("Listener", c.listener || "–"),
+      kv("Node", c.node), kv("User", c.username || "–"), kv("Address", c.address || "–"), kv("Listener", c.listener || "–"),
       kv("MQTT", c.protocol), kv("Keepalive", c.keepalive === null ? "–" : `${c.keepalive}s`),
       kv("Session expiry", c.session_expiry_interval === 4294967295 ? "never"
          : c.session_expiry_interval ? fmtDuration(c.session_expiry_interval) + " after it goes" : "ends with the connection"),
@@ -455,10 +455,15 @@ async function loadNodes() {
   const box = $("#nodes");
   box.textContent = "";
   if (!data.cluster) box.append(el("div", {class: "panel muted", text: "A single node: no [cluster] configured."}));
+  if (data.unreachable) toast(`Not answering: ${Object.keys(data.unreachable).join(", ")}`, true);
   for (const n of data.nodes) {
     box.append(el("div", {class: `panel card node ${n.up ? "up" : "down"}`},
       el("div", {class: "panel-head"}, el("div", {class: "detail-head"}, statusDot(n.up), el("h2", {text: n.name})),
          el("span", {class: "tag", text: n.self ? "this node" : n.up ? "link up" : "link down"})),
+      el("div", {class: "stats"},
+        el("div", {class: "stat"}, el("div", {class: "label", text: "Clients"}), el("div", {class: "value", text: fmtNum(n.connected)})),
+        el("div", {class: "stat"}, el("div", {class: "label", text: "Msgs in / s"}), el("div", {class: "value", text: n.rates ? fmtRate(n.rates.msgs_in || 0) : "–"})),
+        el("div", {class: "stat"}, el("div", {class: "label", text: "Msgs out / s"}), el("div", {class: "value", text: n.rates ? fmtRate(n.rates.msgs_out || 0) : "–"}))),
       el("div", {class: "kvs"},
         el("div", {class: "kv"}, el("span", {text: "Link"}), el("span", {class: "mono", text: n.link || "–"})),
         el("div", {class: "kv"}, el("span", {text: "Admin"}), el("span", {class: "mono", text: n.admin || "–"})))));

@@ -505,3 +505,111 @@ def test_anonymous_read_on_loopback(tmp_path, pahos):
         assert call(b.admin_port, "POST", "/api/v1/publish", body={"topic": "a", "payload": "b"})[0] == 403
     finally:
         b.stop()
+
+
+# --- the listener itself ---------------------------------------------------------------------
+
+
+def test_admin_listener_over_tls(tmp_path):
+    import ssl
+    import trustme
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "server.pem"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    b = AdminBroker(tmp_path, admin_keys=f'users = ["ops"]\ntls = true\ncertfile = "{tmp_path / "server.pem"}"\n')
+    try:
+        import http.client
+        from admin_helpers import basic
+        ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        conn = http.client.HTTPSConnection("127.0.0.1", b.admin_port, context=ctx, timeout=10)
+        conn.request("GET", "/api/v1/whoami", headers={"Authorization": basic(*OPS)})
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["name"] == "ops"
+        conn.close()
+        with pytest.raises(Exception):  # plain HTTP on the TLS port gets no answer
+            call(b.admin_port, "GET", "/health", timeout=3)
+        assert wait_for(lambda: "did not start a TLS handshake" in b.served.log or
+                        "not a TLS ClientHello" in b.served.log)
+    finally:
+        b.stop()
+
+
+def test_the_broker_stops_cleanly_with_an_event_stream_open(tmp_path):
+    import http.client
+    from admin_helpers import basic
+    b = AdminBroker(tmp_path)
+    conn = http.client.HTTPConnection("127.0.0.1", b.admin_port, timeout=10)
+    conn.request("GET", "/api/v1/events", headers={"Authorization": basic(*OPS)})
+    r = conn.getresponse()
+    assert r.readline().startswith(b"event: history")
+    assert b.served.stop() == 0
+    conn.close()
+    assert "Traceback" not in b.served.log and "exception was never retrieved" not in b.served.log
+
+
+def test_a_stream_from_a_thread_goes_chunk_by_chunk_and_stops_with_its_reader():
+    """http.stream_from_thread, what a log read (Arrow IPC from a thread) answers with: the
+    generator runs in the pool, never on the loop, and is closed when the reader leaves."""
+    import asyncio
+    import concurrent.futures
+    import http.client
+    import threading
+
+    from wrenmq.admin.http import HttpConnection, Response, stream_from_thread
+
+    pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="reader")
+    seen = {"threads": set(), "closed": threading.Event(), "made": 0}
+
+    def chunks(n):
+        try:
+            for i in range(n):
+                seen["threads"].add(threading.current_thread().name)
+                seen["made"] += 1
+                yield b"%d:" % i + b"x" * 65536
+        finally:
+            seen["closed"].set()
+
+    async def app(request):
+        return Response(200, content_type="application/octet-stream",
+                        stream=stream_from_thread(chunks(int(request.query["n"])), pool))
+
+    ready = threading.Event()
+    box = {}
+
+    def serve():
+        loop = asyncio.new_event_loop()
+        box["loop"] = loop
+        server = loop.run_until_complete(loop.create_server(lambda: HttpConnection(app), "127.0.0.1", 0))
+        box["port"] = server.sockets[0].getsockname()[1]
+        ready.set()
+        loop.run_forever()
+        server.close()
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert ready.wait(5)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", box["port"], timeout=10)
+        conn.request("GET", "/?n=20")
+        body = conn.getresponse().read()
+        assert body.count(b"x" * 65536) == 20 and body.startswith(b"0:") and b"19:" in body
+        assert seen["threads"] and all(name.startswith("reader") for name in seen["threads"])
+        assert seen["closed"].wait(5)
+        # A reader that leaves early: the generator is closed, not run to its end.
+        seen["closed"].clear()
+        seen["made"] = 0
+        with socket.create_connection(("127.0.0.1", box["port"]), timeout=5) as s:
+            s.sendall(b"GET /?n=100000 HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.recv(65536)
+        assert seen["closed"].wait(10)
+        assert seen["made"] < 1000
+    finally:
+        box["loop"].call_soon_threadsafe(box["loop"].stop)
+        t.join(5)
+        pool.shutdown()

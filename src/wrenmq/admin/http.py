@@ -308,8 +308,9 @@ class HttpConnection(asyncio.Protocol):
 
     def _send(self, event):
         data = self.conn.send(event)
-        if data:
-            self.transport.write(data)
+        t = self.transport
+        if data and not t.is_closing():  # (a closed transport: what is left goes nowhere)
+            t.write(data)
 
     def _write(self, response, head=False, close=False):
         body = response.body
@@ -340,7 +341,10 @@ class HttpConnection(asyncio.Protocol):
             finally:
                 close = getattr(stream, "aclose", None)
                 if close is not None:
-                    await close()
+                    try:
+                        await close()
+                    except RuntimeError:  # (still running: it is being closed by its own exception)
+                        pass
         self._send(h11.EndOfMessage())
 
     def _cycle(self):

@@ -22,7 +22,7 @@ PERIOD = 1.0
 QUEUE = 16
 HEARTBEAT = 15.0  # seconds between SSE comments on a quiet stream (proxies close idle ones)
 
-# Counters whose rate per second each sample carries: name -> what it reads.
+# The figures (counters) whose rate per second each sample carries.
 _RATES = ("msgs_in", "msgs_out", "bytes_in", "bytes_out", "dropped", "connects", "refused",
           "denied", "log_records", "log_bytes", "cluster_forwarded", "cluster_received")
 

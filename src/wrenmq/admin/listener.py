@@ -8,8 +8,8 @@ accepted socket is an `HttpConnection` serving `Admin` (app.py). At most MAX_OPE
 connections are held (a dashboard holds one for its live figures and one or two for its
 calls); past that a new one is closed at once.
 
-With `[cluster]`, the node says in etcd where its admin listener is (`Cluster.advertise_info`), so
-any node's API can ask the others (cluster.py).
+With `[cluster]`, the node says in etcd where its admin listener is (`Cluster.advertise_info`),
+so any node's API can ask the others (peers.py).
 """
 
 import asyncio

@@ -265,6 +265,8 @@ def run_mqload(args):
             "--topic-mode", "per-pub", "--topic-prefix", args.prefix, "--sub-topic", filters[0]]
     if args.mqtt5:
         argv.append("--mqtt5")
+    if args.qos == 2:
+        print("note: mqload publishes at QoS 0 or 1: this run uses QoS 1", file=sys.stderr)
     print("running: " + " ".join(argv), file=sys.stderr)
     proc = subprocess.run(argv, capture_output=True, text=True)
     line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""

@@ -42,21 +42,21 @@ RESERVOIR = 200_000  # latencies kept for the percentiles (a uniform sample beyo
 def add_parser(sub):
     p = sub.add_parser("bench", help="load-test a broker: N clients, a rate, fan-out by subscriptions",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=1883)
+    p.add_argument("--host", default="127.0.0.1", help="the broker's address (127.0.0.1)")
+    p.add_argument("--port", type=int, default=1883, help="the broker's MQTT port (1883)")
     p.add_argument("--clients", "-n", type=int, default=10, help="clients, each publishing and subscribing (10)")
     p.add_argument("--interval", type=float, default=0.1, help="seconds between one client's messages (0.1)")
     p.add_argument("--subscribe", "-s", action="append", metavar="FILTER",
                    help="filter every client subscribes to; {i} = its number mod --topics "
                         "(default: <prefix>/{i}, fan-out 1); repeatable")
     p.add_argument("--topics", type=int, help="topics the messages are spread over (default: --clients)")
-    p.add_argument("--qos", type=int, choices=(0, 1, 2), default=0)
+    p.add_argument("--qos", type=int, choices=(0, 1, 2), default=0, help="QoS of the messages and subscriptions (0)")
     p.add_argument("--size", type=int, default=64, help=f"payload bytes (at least {STAMP.size}; 64)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of publishing (10)")
     p.add_argument("--prefix", default="bench", help="topic prefix and client id prefix (bench)")
     p.add_argument("--mqtt5", action="store_true", help="speak MQTT 5.0 (default 3.1.1)")
-    p.add_argument("--user", "-u")
-    p.add_argument("--password", "-P")
+    p.add_argument("--user", "-u", help="MQTT user name")
+    p.add_argument("--password", "-P", help="MQTT password")
     p.add_argument("--window", type=int, default=100, help="QoS 1/2 messages a client leaves unacknowledged (100)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line at the end")
     p.add_argument("--mqload", metavar="PATH", nargs="?", const="",

@@ -57,8 +57,9 @@ def _serve(args):
 async def _run(cfg):
     from .broker.broker import Broker
 
+    from .bridge import bridge_extensions
     try:
-        broker = Broker(cfg)
+        broker = Broker(cfg, extensions=bridge_extensions(cfg))
     except ConfigError as e:  # e.g. a password or ACL file that cannot be used
         log.error("cannot start: %s", e)
         return 2
@@ -106,10 +107,12 @@ def _config_check(args):
         cfg = load(args.file)
         from .auth.hook import load_files
         load_files(cfg.auth.password_file, cfg.auth.acl_file)
+        from .bridge import bridge_extensions
+        bridge_extensions(cfg)  # (loads the bridges' TLS files)
     except ConfigError as e:
         print(f"wrenmq: {e}", file=sys.stderr)
         return 2
-    print(f"{args.file}: OK ({len(cfg.listener)} listener(s))")
+    print(f"{args.file}: OK ({len(cfg.listener)} listener(s)" + (f", {len(cfg.bridge)} bridge(s))" if cfg.bridge else ")"))
     return 0
 
 
@@ -157,6 +160,9 @@ def build_parser():
     ks.add_argument("--config", metavar="FILE", help="TOML configuration file (its [cluster] section)")
     ks.add_argument("--json", action="store_true", help="print JSON")
     ks.set_defaults(func=_cluster_status)
+
+    from .bridge.status import add_parser as add_bridge_parser
+    add_bridge_parser(sub)
 
     from .auth.commands import add_passwd_parser, add_reload_parser
     add_passwd_parser(sub)

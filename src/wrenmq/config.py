@@ -10,6 +10,7 @@ import dataclasses
 import ipaddress
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from typing import get_args, get_origin
@@ -24,8 +25,9 @@ class ConfigError(ValueError):
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-def _key(default, doc, lo=None, hi=None, choices=None):
-    meta = {"doc": doc, "lo": lo, "hi": hi, "choices": choices}
+def _key(default, doc, lo=None, hi=None, choices=None, one_or_many=False):
+    # one_or_many: a list key that also takes a single string (address = "h:p" or ["h:p", ...]).
+    meta = {"doc": doc, "lo": lo, "hi": hi, "choices": choices, "one_or_many": one_or_many}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
@@ -307,6 +309,54 @@ class LoggingSection:
 
 
 @dataclass
+class BridgeTopicConfig:
+    pattern: str = _key("", "MQTT filter of the topics carried, between the prefixes (Mosquitto's `topic "
+                        "pattern direction qos local-prefix remote-prefix`): local topic = local_prefix + "
+                        "topic, remote topic = remote_prefix + topic. Empty: the prefixes are the whole "
+                        "topic on each side.")
+    direction: str = _key("out", "\"out\": local -> remote (read from the commit log at the bridge's "
+                          "cursor); \"in\": remote -> local (a subscription on the remote); \"both\".",
+                          choices=("in", "out", "both"))
+    qos: int = _key(1, "Highest QoS used on the remote: messages out go at the lower of theirs and this; "
+                    "the subscription of \"in\" asks for it.", 0, 2)
+    local_prefix: str = _key("", "Prefix of the local topics (no wildcards), e.g. \"from-cloud/\".")
+    remote_prefix: str = _key("", "Prefix of the remote topics (no wildcards), e.g. \"site1/\".")
+
+
+@dataclass
+class BridgeConfig:
+    name: str = _key("", "Unique name of the bridge (letters, digits, - _ .): in $SYS, the metrics and "
+                     "logs, and its cursor's name in the state database. Required.")
+    address: list = _key([], "host:port of the remote broker (\"[::1]:1883\" for IPv6); a list is tried "
+                         "in turn, one address per connection attempt. Required.", one_or_many=True)
+    protocol: str = _key("5", "MQTT version spoken to the remote: \"5\" (no-local keeps messages the "
+                         "bridge publishes from coming back) or \"3.1.1\".", choices=("5", "3.1.1"))
+    client_id: str = _key("", "Client id on the remote; empty = <node id>-<name> (in a cluster "
+                          "<cluster name>-<name>: the remote session moves with the bridge).")
+    username: str = _key("", "User name on the remote; empty = none.")
+    password: str = _key("", "Password on the remote (with username).")
+    clean_start: bool = _key(False, "Start a new remote session at each connect. False keeps it across "
+                             "reconnects, so what the remote holds for \"in\" topics while the link is "
+                             "down arrives when it is back.")
+    keepalive: int = _key(60, "Seconds between PINGREQs when nothing else is sent; a remote silent for "
+                          "1.5 times this is taken as gone and the bridge reconnects.", 1, 65535)
+    tls: bool = _key(False, "Connect over TLS (the remote's certificate is verified, and its host name).")
+    cafile: str = _key("", "tls: PEM CA certificate(s) that sign the remote's certificate; empty = the "
+                       "system's CAs.")
+    certfile: str = _key("", "tls: PEM client certificate (chain) presented to the remote.")
+    keyfile: str = _key("", "tls: private key of certfile; empty if certfile holds the key too.")
+    local_username: str = _key("", "User name the messages coming in are published under locally: "
+                               "[auth] acl_file's rules for it decide what the bridge may publish here "
+                               "(empty: the rules for clients without a user name).")
+    max_inflight: int = _key(256, "QoS 1/2 messages sent to the remote and not yet acknowledged, at most "
+                             "(the remote's receive maximum lowers it).", 1, 65535)
+    reconnect_delay: float = _key(1.0, "Seconds before the first reconnect; doubled at each failure "
+                                  "up to reconnect_max.", 0.01, 3600)
+    reconnect_max: float = _key(60.0, "Longest wait between reconnects, in seconds.", 0.01, 86400)
+    topic: list = _key([], "What the bridge carries: [[bridge.topic]] tables (at least one).")
+
+
+@dataclass
 class Config:
     listener: list = _key([], "Listeners ([[listener]] tables); one on 127.0.0.1:1883 when none is given.")
     broker: BrokerSection = field(default_factory=BrokerSection)
@@ -317,6 +367,7 @@ class Config:
     log: LogSection = field(default_factory=LogSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    bridge: list = _key([], "Bridges to other brokers ([[bridge]] tables, docs/BRIDGE.md).")
     source: str = field(default="<defaults>", metadata={"internal": True})
 
     def __post_init__(self):
@@ -324,7 +375,9 @@ class Config:
             self.listener = [ListenerConfig()]
 
 
-_LIST_TYPES = {"listener": ListenerConfig}
+# Arrays of tables: [[listener]] and [[bridge]] at the top, [[bridge.topic]] in a bridge.
+_LIST_TYPES = {"listener": ListenerConfig, "bridge": BridgeConfig}
+_NESTED_LIST_TYPES = {(BridgeConfig, "topic"): BridgeTopicConfig}
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
@@ -368,15 +421,19 @@ def _build(cls, data, src, prefix):
         if f is None:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"{src}: {path}: unknown key (known here: {known})")
-        if key in _LIST_TYPES and cls is Config:
+        table_cls = _LIST_TYPES.get(key) if cls is Config else _NESTED_LIST_TYPES.get((cls, key))
+        if table_cls is not None:
             if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-                raise ConfigError(f"{src}: {path}: expected an array of tables ([[{key}]]), got {_describe(value)}")
-            kwargs[key] = [_build(_LIST_TYPES[key], v, src, f"{key}[{i}].") for i, v in enumerate(value)]
+                table = f"{prefix.rstrip('.').split('[')[0]}.{key}" if prefix else key
+                raise ConfigError(f"{src}: {path}: expected an array of tables ([[{table}]]), got {_describe(value)}")
+            kwargs[key] = [_build(table_cls, v, src, f"{path}[{i}].") for i, v in enumerate(value)]
         elif dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
             if not isinstance(value, dict):
                 raise ConfigError(f"{src}: {path}: expected a table ([{key}]), got {_describe(value)}")
             kwargs[key] = _build(f.default_factory, value, src, f"{key}.")
         elif get_origin(f.type) is list or f.type is list:
+            if f.metadata.get("one_or_many") and isinstance(value, str):
+                value = [value]
             item = (get_args(f.type) or (str,))[0]
             if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
                 raise ConfigError(f"{src}: {path}: expected an array of {_TYPE_NAMES.get(item, item)}s, got {_describe(value)}")
@@ -498,6 +555,130 @@ def _validate_cluster(src, c):
         fail("advertise", f"required when bind is {c.bind!r} (the address other nodes connect to)")
 
 
+def _filters_overlap(a, b):
+    """Whether some topic matches both MQTT filters `a` and `b`."""
+    la, lb = a.split("/"), b.split("/")
+    for x, y in zip(la, lb):
+        if x == "#" or y == "#":
+            return True
+        if x != y and "+" not in (x, y):
+            return False
+    if len(la) == len(lb):
+        return True
+    longer = la if len(la) > len(lb) else lb
+    return longer[min(len(la), len(lb))] == "#"  # ("a/#" matches "a" too)
+
+
+def _filter_covers(general, specific):
+    """Whether every topic that filter `specific` matches is matched by filter `general`."""
+    lg, ls = general.split("/"), specific.split("/")
+    for i, x in enumerate(lg):
+        if x == "#":
+            return not (i == 0 and ls[0][:1] == "$")  # (a wildcard first matches no $ topic)
+        if i >= len(ls):
+            return False
+        y = ls[i]
+        if y == "#":
+            return False
+        if x == "+":
+            if i == 0 and y[:1] == "$":
+                return False
+        elif x != y:
+            return False
+    return len(lg) == len(ls)
+
+
+_BRIDGE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _check_address(fail, key, address):
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        fail(key, f"expected host:port, got {address!r}")
+
+
+def _validate_bridges(cfg):
+    """[[bridge]]: each key, and what the bridge needs of the rest of the file."""
+    from .broker.topics import TopicError, validate_topic_filter
+    src = cfg.source
+    names = set()
+    for i, b in enumerate(cfg.bridge):
+        def fail(key, msg, i=i):
+            raise ConfigError(f"{src}: bridge[{i}].{key}: {msg}")
+
+        if not b.name:
+            fail("name", "required (the bridge's name in $SYS, the metrics and logs)")
+        if not _BRIDGE_NAME.fullmatch(b.name):
+            fail("name", f"letters, digits, '-', '_' and '.' only, got {b.name!r}")
+        if b.name in names:
+            fail("name", f"another bridge is called {b.name!r}")
+        names.add(b.name)
+        if not b.address:
+            fail("address", "required: the remote broker's host:port")
+        for a in b.address:
+            _check_address(fail, "address", a)
+        if len(b.client_id.encode()) > 65535:
+            fail("client_id", "longer than MQTT's 65,535 bytes")
+        if b.password and not b.username:
+            fail("password", "needs username")
+        _check_tls_files(fail, b, "tls", ("cafile", "certfile", "keyfile"))
+        if b.keyfile and not b.certfile:
+            fail("keyfile", "needs certfile")
+        if b.reconnect_max < b.reconnect_delay:
+            fail("reconnect_max", f"must be at least reconnect_delay ({b.reconnect_delay})")
+        if not b.topic:
+            fail("topic", "at least one [[bridge.topic]] (what the bridge carries)")
+        outs, ins = [], []  # (remote filter, topic index)
+        for j, t in enumerate(b.topic):
+            def tfail(key, msg, j=j):
+                fail(f"topic[{j}].{key}", msg)
+
+            for key in ("local_prefix", "remote_prefix"):
+                value = getattr(t, key)
+                if "+" in value or "#" in value or "\0" in value:
+                    tfail(key, f"no wildcards (+, #) in a prefix, got {value!r}")
+            if not t.pattern and not (t.local_prefix and t.remote_prefix):
+                tfail("pattern", "empty: then local_prefix and remote_prefix are the whole topics, and "
+                      "both must be set")
+            for key, flt in (("local_prefix", t.local_prefix + t.pattern),
+                             ("remote_prefix", t.remote_prefix + t.pattern)):
+                try:
+                    validate_topic_filter(flt)
+                except TopicError as e:
+                    try:
+                        if t.pattern:
+                            validate_topic_filter(t.pattern)
+                    except TopicError:
+                        key = "pattern"
+                    tfail(key, f"{flt!r} is not a valid topic filter ({e})")
+            local = t.local_prefix + t.pattern
+            if t.direction in ("out", "both"):
+                if local.startswith("$SYS"):
+                    tfail("pattern", f"{local!r}: $SYS topics are not in the commit log, which the "
+                          "bridge sends from")
+                if cfg.storage.mode != "disk" or not cfg.log.enabled:
+                    tfail("direction", f"{t.direction!r} sends from the commit log: needs [storage] mode "
+                          "= \"disk\" and [log] enabled = true")
+                if not any(_filter_covers(f, local) for f in cfg.log.topics):
+                    tfail("pattern", f"{local!r} is not all recorded by [log] topics "
+                          f"({', '.join(cfg.log.topics)}), and the bridge sends from the commit log")
+                outs.append((t.remote_prefix + t.pattern, j))
+            if t.direction in ("in", "both"):
+                if local.startswith("$"):
+                    tfail("local_prefix", f"{local!r}: local topics starting with '$' are the broker's own")
+                ins.append((t.remote_prefix + t.pattern, j))
+        if b.protocol == "3.1.1":
+            for out, jo in outs:
+                for flt, ji in ins:
+                    if _filters_overlap(out, flt):
+                        key = f"topic[{max(jo, ji)}]." + ("direction" if jo == ji else "pattern")
+                        fail(key, f"on the remote, what goes out ({out!r}) overlaps what comes in "
+                             f"({flt!r}): MQTT 3.1.1 has no no-local, so the remote would send the bridge's "
+                             "own messages back; use protocol = \"5\", or prefixes that keep them apart")
+
+
 def cluster_node_name(cfg):
     """[cluster] node, or its default: <host name>-<first listener's port>."""
     if cfg.cluster.node:
@@ -523,6 +704,7 @@ def validate(cfg):
             raise ConfigError(f"{src}: listener[{i}]: duplicate listener {lst.label}")
         seen.add(key)
     _validate_cluster(src, cfg.cluster)
+    _validate_bridges(cfg)
     from .broker.topics import TopicError, validate_topic_filter
     for f in cfg.log.topics:
         try:
@@ -564,7 +746,8 @@ def iter_keys():
     """Yield (section, key, type name, default, doc) for every setting (docs/CONFIG.md)."""
     sections = [("listener", ListenerConfig)] + [
         (f.name, f.default_factory) for f in dataclasses.fields(Config)
-        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)]
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)] + [
+        ("bridge", BridgeConfig), ("bridge.topic", BridgeTopicConfig)]
     for name, cls in sections:
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -608,7 +791,7 @@ def config_markdown():
     for section, key, typ, default, doc in iter_keys():
         if section != current:
             current = section
-            header = f"[[{section}]]" if section in _LIST_TYPES else f"[{section}]"
+            header = f"[[{section}]]" if section in _LIST_TYPES or "." in section else f"[{section}]"
             out.append(f"\n## `{header}`\n\n| key | type | default | meaning |\n|---|---|---|---|")
         out.append(f"| `{key}` | {typ} | `{_fmt_default(default)}` | {doc} |")
     out.append(_MOSQUITTO_INTRO)

@@ -1,6 +1,6 @@
 """The broker: topics, sessions, the router, connections and the Broker object."""
 
 from .broker import Broker
-from .hooks import ClientInfo, Hook
+from .hooks import ClientInfo, Extension, Hook
 
-__all__ = ["Broker", "Hook", "ClientInfo"]
+__all__ = ["Broker", "Hook", "ClientInfo", "Extension"]

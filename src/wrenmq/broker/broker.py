@@ -44,8 +44,11 @@ def _tune_gc():
 
 
 class Broker:
-    def __init__(self, config=None, hooks=()):
+    def __init__(self, config=None, hooks=(), extensions=()):
         self.config = config if config is not None else Config()
+        self.extensions = list(extensions)  # hooks.Extension: started and stopped with the broker
+        self._log_readers = []  # on_log_growth callbacks
+        self._log_told = 0  # the log's end they were last told of
         # The [auth] hook (password file, ACL, anonymous policy) goes first; it asks the
         # authenticate of the hooks behind it for users it does not know.
         from ..auth.hook import build_auth_hook
@@ -143,6 +146,12 @@ class Broker:
         if any(lst.tls for lst in self.config.listener):
             self.hooks.add(TLSReloadHook(self))  # SIGHUP (hooks.reload) re-reads certificates
         self.running = True
+        try:
+            for ext in self.extensions:
+                await ext.start(self)
+        except BaseException:
+            await self.stop()
+            raise
         if self.config.sys.interval > 0:
             self._publish_sys()
         return self
@@ -201,6 +210,11 @@ class Broker:
         self.running = False
         for server in self._servers:
             server.close()
+        for ext in reversed(self.extensions):
+            try:
+                await ext.stop()
+            except Exception:
+                log.exception("stopping %s failed", type(ext).__name__)
         if self.cluster is not None:
             await self.cluster.stop()  # the other nodes stop sending here at once
         for h in (self._sys_handle, self._timer, self._checkpoint_handle, self._sweep_handle, self._disk_handle):
@@ -268,6 +282,8 @@ class Broker:
         self._dirty = []
         store = self.store
         if store is not None:
+            if self._log_readers and store.next_offset != self._log_told:
+                self._log_grew(store.next_offset)
             hold = store.must_hold
             eid = 0
             if store.pending:
@@ -282,6 +298,18 @@ class Broker:
                 return
         for conn in dirty:
             conn.flush()
+
+    def on_log_growth(self, callback):
+        """Have `callback()` called at the end of each loop turn in which the commit log
+        grew (readers that follow its end, like bridges; no call per record)."""
+        self._log_readers.append(callback)
+        if self.store is not None:
+            self._log_told = self.store.next_offset
+
+    def _log_grew(self, end):
+        self._log_told = end
+        for callback in self._log_readers:
+            callback()
 
     def yield_turn(self, conn):
         """`conn` has read READ_TURN_BYTES: it reads again in the next loop turn.
@@ -521,6 +549,8 @@ class Broker:
     def extra_sys_values(self):
         """More $SYS values from parts that plug in (commit log, cluster)."""
         values = self.cluster.sys_values() if self.cluster is not None else {}
+        for ext in self.extensions:
+            values.update(ext.sys_values())
         store = self.store
         if store is None:
             return values
@@ -547,11 +577,12 @@ class Broker:
 
     # --- embedding API ---------------------------------------------------------
 
-    def publish(self, topic, payload=b"", qos=0, retain=False, properties=None):
-        """Publish a message as the broker itself; True if a subscriber matched."""
+    def publish(self, topic, payload=b"", qos=0, retain=False, properties=None, client=None):
+        """Publish a message as the broker itself, or on behalf of `client` (a ClientInfo:
+        its client id goes into the log; no ACL is asked); True if a subscriber matched."""
         if isinstance(payload, str):
             payload = payload.encode()
-        return self.router.publish_internal(topic, payload, qos, retain, properties)
+        return self.router.publish_internal(topic, payload, qos, retain, properties, client)
 
     def add_hook(self, hook):
         self.hooks.add(hook)

@@ -90,6 +90,27 @@ class Hook:
         """Re-read files (SIGHUP); raise to keep the previous state."""
 
 
+class Extension:
+    """A part that runs beside the broker and is no hook (bridges to other brokers).
+
+    The assembly gives them to `Broker(config, hooks, extensions)`: `start` runs once the
+    listeners are open, `stop` first when the broker stops (while the store still takes
+    writes); `sys_values` adds to $SYS, `metrics` to the metrics listener, as
+    (name, type, help, [(labels dict, value), ...]) per metric."""
+
+    async def start(self, broker):
+        pass
+
+    async def stop(self):
+        pass
+
+    def sys_values(self):
+        return {}
+
+    def metrics(self):
+        return ()
+
+
 def _overrides(hook, name):
     return getattr(type(hook), name, None) is not getattr(Hook, name)
 

@@ -167,6 +167,13 @@ def render(sys_topics):
         out.append(f"# HELP {name} {doc}")
         out.append(f"# TYPE {name} {kind}")
         out.append(f"{name} {int(value)}")
+    for ext in sys_topics.broker.extensions:
+        for name, kind, doc, samples in ext.metrics():
+            out.append(f"# HELP {name} {doc}")
+            out.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                tags = ",".join(f'{k}="{_label(str(v))}"' for k, v in labels.items())
+                out.append(f"{name}{{{tags}}} {value:g}" if isinstance(value, float) else f"{name}{{{tags}}} {int(value)}")
     out.append("")
     return "\n".join(out)
 

@@ -1497,10 +1497,13 @@ class Router:
         self.disk_low = low
         self._matches.clear()
 
-    def publish_internal(self, topic, payload, qos=0, retain=False, properties=None):
-        """Publish as the broker itself ($SYS, the embedding application)."""
+    def publish_internal(self, topic, payload, qos=0, retain=False, properties=None, client=None):
+        """Publish as the broker itself ($SYS, the embedding application), or on behalf of
+        `client` (a ClientInfo, e.g. a bridge's: the log records its client id, and
+        on_publish hooks see it as the publisher). Authorization is the caller's."""
         props = dict(properties) if properties else {}
-        msg = self._new_message(topic, payload, qos, retain, props, "", None, time.time())
+        cid = client.client_id if client is not None else ""
+        msg = self._new_message(topic, payload, qos, retain, props, cid, client, time.time())
         return self.publish(msg)
 
     def disconnect_client(self, client_id, reason=C.ADMINISTRATIVE_ACTION, end_session=False):

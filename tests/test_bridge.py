@@ -1,0 +1,382 @@
+"""Bridges ([[bridge]]) between real processes: `wrenmq serve` edges, Debian's Mosquitto
+(persistence on, its own port) or another wrenmq as the remote, real clients.
+
+The sans-IO parts (topic mapping, the session's window and cursor) are tested with
+plain records first; everything else crosses real sockets."""
+
+import json
+import re
+import subprocess
+import threading
+import time
+
+import pytest
+
+from bridge_helpers import Mosquitto, collect, first_seen_in_order, publish_acked
+from conftest import WRENMQ, free_port, paho_client, subscribe
+from mqtt_helpers import drain, scrape, wait_for
+from wrenmq.bridge.session import (DELIVER, ECHO, ORIGIN_PROPERTY, POISON_STRIKES, BridgeSession,
+                                   packet_id_of)
+from wrenmq.bridge.topics import TopicMap
+from wrenmq.config import load
+from wrenmq.mqtt import constants as C
+from wrenmq.mqtt.codec import decode
+from wrenmq.mqtt.packets import Connack, Puback, Pubcomp, Publish, Pubrec
+from wrenmq.store.format import Record
+
+
+# --- sans-IO: the topic map and the session ----------------------------------------------
+
+def bridge_cfg(topics, protocol="5", **kw):
+    lines = [f'{k} = {json.dumps(v)}' for k, v in kw.items()]
+    text = f'[[bridge]]\nname = "b"\naddress = "127.0.0.1:1"\nprotocol = "{protocol}"\n' + "\n".join(lines) + "\n"
+    for t in topics:
+        text += "[[bridge.topic]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in t.items())
+    return load(text=text).bridge[0]
+
+
+def test_topic_map_follows_mosquittos_topic_lines():
+    m = TopicMap(bridge_cfg([
+        {"pattern": "sensors/#", "direction": "out", "qos": 1, "remote_prefix": "site1/"},
+        {"pattern": "#", "direction": "in", "qos": 2, "local_prefix": "cloud/", "remote_prefix": "down/site1/"},
+        {"pattern": "", "direction": "both", "qos": 0, "local_prefix": "a/b", "remote_prefix": "x/y"},
+    ]).topic)
+    assert m.outbound("sensors/t1") == ("site1/sensors/t1", 1)
+    assert m.outbound("sensors") == ("site1/sensors", 1)  # ("sensors/#" matches its parent too)
+    assert m.outbound("other/t1") is None
+    assert m.outbound("a/b") == ("x/y", 0) and m.outbound("a/b/c") is None
+    assert m.inbound("down/site1/cmd/1") == ("cloud/cmd/1", 2)
+    assert m.inbound("down/site1") is None  # (the prefix's parent: not under the prefix)
+    assert m.inbound("x/y") == ("a/b", 0)
+    assert sorted(m.subscriptions()) == [("down/site1/#", 2), ("x/y", 0)]
+
+
+def rec(offset, topic="s/1", qos=1, payload=None, client="dev", private=False, props=b"", ts=None):
+    return Record(offset, ts if ts is not None else int(time.time() * 1e6), qos, False, topic, client, props,
+                  payload if payload is not None else b"%d" % offset, 0, private)
+
+
+def session(window=4, protocol="5", mark=None, **topic):
+    cfg = bridge_cfg([{"pattern": "s/#", **topic}], protocol, max_inflight=window)
+    s = BridgeSession(cfg, TopicMap(cfg.topic), "$bridge/b", "edge-b", 10, mark)
+    s.connack(Connack(False, 0))
+    return s
+
+
+def test_session_cursor_is_the_oldest_unacknowledged_offset():
+    s = session(window=3)
+    now = time.time()
+    sent = [s.take(rec(o), now) for o in (10, 11, 12)]
+    assert all(sent) and s.full
+    pkts = [decode(p, C.MQTT5) for p in sent]
+    assert [p.packet_id for p in pkts] == [packet_id_of(o) for o in (10, 11, 12)]
+    assert s.cursor == 10
+    s.acked(Puback(pkts[1].packet_id))  # out of order: the cursor stays at the oldest
+    assert s.cursor == 10 and not s.full
+    s.acked(Puback(pkts[0].packet_id))
+    assert s.cursor == 12
+    s.acked(Puback(pkts[2].packet_id))
+    assert s.cursor == 13 == s.read_pos and s.sent == 3
+
+
+def test_session_skips_what_is_not_for_the_remote():
+    s = session()
+    now = time.time()
+    assert s.take(rec(10, private=True), now) is None  # a private record: not of the topic stream
+    assert s.take(rec(11, client="$bridge/b"), now) is None  # came in over this bridge
+    assert s.take(rec(12, topic="other/1"), now) is None  # not carried out
+    assert s.cursor == 13 and not s.inflight
+    expired = b"\x02\x00\x00\x00\x05"  # message expiry interval 5 s, published 10 s ago
+    assert s.take(rec(13, props=expired, ts=int((now - 10) * 1e6)), now) is None and s.expired == 1
+    p = decode(s.take(rec(14, props=expired, ts=int((now - 2) * 1e6)), now), C.MQTT5)
+    assert p.properties["message_expiry_interval"] == 3  # what is left of it
+    assert p.qos == 1 and p.topic == "s/1"
+
+
+def test_session_resends_in_flight_with_dup_after_a_reconnect():
+    s = session(window=8, qos=2)
+    now = time.time()
+    a, b = (decode(s.take(rec(o, qos=2), now), C.MQTT5) for o in (20, 21))
+    assert s.acked(Pubrec(a.packet_id)) is not None  # PUBREL for a
+    s.lost()
+    again = [decode(x, C.MQTT5) for x in s.connack(Connack(True, 0))]
+    assert [type(x).__name__ for x in again] == ["Pubrel", "Publish"]
+    assert again[0].packet_id == a.packet_id and again[1].packet_id == b.packet_id and again[1].dup
+    s.acked(Pubcomp(a.packet_id))
+    assert s.cursor == 21
+
+
+def test_session_waits_when_a_packet_id_is_still_in_flight():
+    s = session(window=8)
+    now = time.time()
+    assert s.take(rec(5), now) is not None
+    assert s.take(rec(5 + 65534), now) is None and s.blocked  # same packet id
+    assert s.read_pos == 5 + 65534  # not taken: it is read again
+    s.acked(Puback(packet_id_of(5)))
+    assert not s.blocked and s.take(rec(5 + 65534), now) is not None
+
+
+def test_session_gives_up_on_a_message_the_remote_keeps_closing_on():
+    s = session()
+    now = time.time()
+    s.take(rec(30), now)
+    s.take(rec(31), now)
+    for _ in range(POISON_STRIKES - 1):
+        assert s.lost() is None
+        s.connack(Connack(True, 0))
+    assert s.lost().offset == 30 and s.cursor == 31 and s.skipped == 1
+
+
+def test_session_marks_and_recognises_its_own_messages_in_a_cluster():
+    s = session(mark="cl-b", direction="both")
+    p = decode(s.take(rec(40), time.time()), C.MQTT5)
+    assert (ORIGIN_PROPERTY, "cl-b") in p.properties["user_property"]
+    assert s.incoming(Publish("s/1", b"x", 1, packet_id=7, properties=dict(p.properties)))[0] == ECHO
+    assert s.incoming(Publish("s/1", b"x", 1, packet_id=8))[0] == DELIVER
+
+
+def test_session_in_flight_bounded_by_the_remotes_receive_maximum():
+    s = session(window=100)
+    s.connack(Connack(False, 0, {"receive_maximum": 2}))
+    now = time.time()
+    assert s.take(rec(10), now) and s.take(rec(11), now) and s.full
+
+
+# --- real processes ----------------------------------------------------------------------
+
+OUT = '[[bridge.topic]]\npattern = "sensors/#"\nremote_prefix = "site1/"\n'
+
+
+def edge_config(remote_port, topics=OUT, bridge="", extra="", name="cloud", address=None):
+    return (f'[[listener]]\nport = 0\n{extra}[sys]\ninterval = 0.5\n'
+            f'[[bridge]]\nname = "{name}"\naddress = "{address or f"127.0.0.1:{remote_port}"}"\n'
+            f'reconnect_delay = 0.1\nreconnect_max = 0.5\n{bridge}{topics}')
+
+
+def status(edge, cfg_path=None):
+    """`wrenmq bridge status --json` of a served broker: {name: figures}."""
+    args = ["--config", str(cfg_path)] if cfg_path else ["--port", str(edge.port)]
+    r = subprocess.run([WRENMQ, "bridge", "status", "--json", "--wait", "3", *args], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def remote_subscriber(port, flt, client_id="cloud-app", version=4):
+    """A persistent subscriber on the remote (it reconnects by itself when the remote restarts)."""
+    c = paho_client(port, client_id=client_id, version=version, clean=False)
+    c.reconnect_delay_set(0.1, 0.5)
+    subscribe(c, flt, 1)
+    return c
+
+
+def test_out_loses_no_acknowledged_message_across_remote_restarts_and_kill_9(tmp_path, serve_broker):
+    """QoS 1 to the edge while the remote is up, stopped and started, and across kill -9s of
+    the edge (once with messages waiting in its log for the remote, once while it sends):
+    every message the edge acknowledged reaches a persistent subscriber of the remote, in
+    the order published. Figures in $SYS, the metrics and `wrenmq bridge status`."""
+    remote = Mosquitto(tmp_path)
+    app = remote_subscriber(remote.port, "site1/#")
+    metrics = free_port()
+    edge = serve_broker(edge_config(remote.port, extra=f'[[listener]]\ntype = "metrics"\nport = {metrics}\n'))
+    n = iter(range(10 ** 6))
+
+    def batch(k, client):
+        return publish_acked(edge.port, "sensors/a", [b"%d" % next(n) for _ in range(k)], client)
+
+    acked = batch(300, "p1")
+    assert len(acked) == 300
+    remote.stop()
+    acked += batch(300, "p2")  # the remote is down: they wait in the edge's log
+    edge.kill()  # kill -9 with them unsent
+    edge.start()
+    acked += batch(300, "p3")
+    remote.start()
+    # kill -9 while it sends (and while the publisher is still publishing)
+    during = []
+    t = threading.Thread(target=lambda: during.extend(batch(3000, "p4")))
+    t.start()
+    assert wait_for(lambda: len(during) >= 500 or not t.is_alive(), timeout=30, interval=0.005)
+    edge.kill()
+    t.join(30)
+    acked += during
+    edge.start()
+    acked += batch(200, "p5")
+    want = set(acked)
+    got = collect(app, lambda g: want <= {m.payload for m in g}, timeout=60)
+    payloads = [m.payload for m in got]
+    missing = want - set(payloads)
+    assert not missing, f"{len(missing)} acknowledged message(s) never reached the remote, e.g. {sorted(missing)[:5]}"
+    order = [int(p) for p in first_seen_in_order(payloads)]
+    assert order == sorted(order), "the remote got the messages out of order"
+    assert all(m.topic == "site1/sensors/a" for m in got)
+
+    def settled():
+        f = status(edge)["cloud"]
+        return f if f["connected"] == "1" and f["lag/records"] == "0" else None
+    figures = wait_for(settled, timeout=20, interval=0.5)
+    assert figures, status(edge)
+    assert figures["state"] == "connected" and figures["address"] == f"127.0.0.1:{remote.port}"
+    assert int(figures["messages/out"]) >= 200  # (since the last start)
+    _, _, text = scrape(metrics)
+    assert re.search(r'^wrenmq_bridge_connected\{bridge="cloud"\} 1$', text, re.M), text
+    out = re.search(r'^wrenmq_bridge_messages_out_total\{bridge="cloud"\} (\d+)$', text, re.M)
+    assert out and int(out.group(1)) >= 200, text
+    assert re.search(r'^wrenmq_bridge_lag_records\{bridge="cloud"\} 0$', text, re.M), text
+    table = subprocess.run([WRENMQ, "bridge", "status", "--port", str(edge.port)], capture_output=True,
+                           text=True, timeout=30).stdout
+    assert re.search(rf"^cloud\s+connected\s+127\.0\.0\.1:{remote.port}\s", table, re.M), table
+    behind = [int(x) for x in re.findall(r"bridge cloud: connected to .*\((\d+) record\(s\) behind\)", edge.log)]
+    assert len(behind) >= 3 and behind[1] >= 600, behind  # (what waited in the log across the kill was sent)
+    app.loop_stop()
+    remote.close()
+
+
+ACL = """topic read fromcloud/#
+topic read $SYS/#
+user bridge
+topic write fromcloud/cmd/#
+"""
+
+
+def test_in_with_prefixes_acl_and_a_remote_session_kept_across_kill_9(tmp_path, serve_broker):
+    """MQTT 3.1.1: remote topics under cloud/site1/cmd/ come in as fromcloud/cmd/..., as the
+    bridge's local user; what the ACL does not let it publish is counted, not published;
+    what the remote holds for the bridge while the edge is down (kill -9) comes in after."""
+    remote = Mosquitto(tmp_path)
+    acl = tmp_path / "acl"
+    acl.write_text(ACL)
+    topics = ('[[bridge.topic]]\npattern = "cmd/#"\ndirection = "in"\nqos = 1\n'
+              'remote_prefix = "cloud/site1/"\nlocal_prefix = "fromcloud/"\n'
+              '[[bridge.topic]]\npattern = "cfg/#"\ndirection = "in"\n'
+              'remote_prefix = "cloud/site1/"\nlocal_prefix = "fromcloud/"\n')
+    edge = serve_broker(edge_config(remote.port, topics, 'protocol = "3.1.1"\nlocal_username = "bridge"\n',
+                                    f'[auth]\nacl_file = "{acl}"\n'))
+    local = paho_client(edge.port, client_id="local-app", version=4, clean=False)
+    local.reconnect_delay_set(0.1, 0.5)
+    subscribe(local, "fromcloud/#", 1)
+    cloud = paho_client(remote.port, version=4)
+
+    def probe():
+        cloud.publish("cloud/site1/cmd/probe", b"p", 1)
+        return any(m.topic == "fromcloud/cmd/probe" for m in drain(local, 0.2))
+    assert wait_for(probe, timeout=20, interval=0.1), edge.log
+    drain(local, 0.3)
+    for i in range(20):
+        cloud.publish("cloud/site1/cmd/a", b"%d" % i, 1).wait_for_publish(5)
+    cloud.publish("cloud/site1/cfg/x", b"denied", 1).wait_for_publish(5)
+    cloud.publish("cloud/site1/other", b"not carried", 1).wait_for_publish(5)
+    got = collect(local, lambda g: len(g) >= 20, timeout=20)
+    assert [(m.topic, m.payload) for m in got] == [("fromcloud/cmd/a", b"%d" % i) for i in range(20)]
+    assert wait_for(lambda: status(edge)["cloud"]["messages/denied"] == "1", timeout=10, interval=0.3)
+    edge.kill()
+    for i in range(20, 40):  # the remote keeps them for the bridge's session (clean_start = false)
+        cloud.publish("cloud/site1/cmd/a", b"%d" % i, 1).wait_for_publish(5)
+    edge.start()
+    got += collect(local, lambda g: len(g) >= 20, timeout=30)
+    payloads = first_seen_in_order([m.payload for m in got if m.topic == "fromcloud/cmd/a"])
+    assert payloads == [b"%d" % i for i in range(40)], payloads
+    assert all(m.topic.startswith("fromcloud/cmd/") for m in got)
+    local.loop_stop()
+    cloud.loop_stop()
+    remote.close()
+
+
+def test_tls_with_a_client_certificate(tmp_path, serve_broker):
+    """The remote asks for a client certificate: the bridge with one gets through, a bridge
+    without one does not (and says so in its figures)."""
+    import trustme
+
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    client = ca.issue_cert("edge-1")
+    files = {}
+    for name, blob in (("ca.pem", ca.cert_pem), ("server.pem", server.cert_chain_pems[0]),
+                       ("server.key", server.private_key_pem), ("client.pem", client.cert_chain_pems[0]),
+                       ("client.key", client.private_key_pem)):
+        blob.write_to_path(str(tmp_path / name))
+        files[name] = tmp_path / name
+    tls_port = free_port()
+    remote = Mosquitto(tmp_path, extra=(f"listener {tls_port} 127.0.0.1\ncafile {files['ca.pem']}\n"
+                                        f"certfile {files['server.pem']}\nkeyfile {files['server.key']}\n"
+                                        "require_certificate true\n"))
+    app = remote_subscriber(remote.port, "site1/#")
+    tls = f'tls = true\ncafile = "{files["ca.pem"]}"\n'
+    edge = serve_broker(edge_config(remote.port, address=f"127.0.0.1:{tls_port}", bridge=(
+        tls + f'certfile = "{files["client.pem"]}"\nkeyfile = "{files["client.key"]}"\n')) +
+        f'[[bridge]]\nname = "nocert"\naddress = "127.0.0.1:{tls_port}"\nreconnect_delay = 0.1\n'
+        f'reconnect_max = 0.5\n{tls}{OUT}')
+    acked = publish_acked(edge.port, "sensors/t", [b"%d" % i for i in range(50)], "p")
+    got = collect(app, lambda g: len({m.payload for m in g}) >= 50, timeout=20)
+    assert {m.payload for m in got} == set(acked) and len(acked) == 50
+    f = status(edge)
+    assert f["cloud"]["state"] == "connected"
+    assert f["nocert"]["connected"] == "0" and int(f["nocert"]["connect_failures"]) >= 1, f["nocert"]
+    assert "bridge nocert: cannot connect to" in edge.log or "bridge nocert: 127.0.0.1" in edge.log, edge.log
+    app.loop_stop()
+    remote.close()
+
+
+def test_two_wrenmq_brokers_bridged_both_ways_do_not_echo(tmp_path, serve_broker):
+    """A bridge from a to b, direction both on shared/#: a message published on either
+    side reaches each side's subscriber exactly once (MQTT 5 no-local on the remote
+    subscription; the log records what came in under the bridge, which does not send it back)."""
+    b = serve_broker("[sys]\ninterval = 0\n", args=("--data-dir", "b"))
+    a = serve_broker(edge_config(b.port, '[[bridge.topic]]\npattern = "shared/#"\ndirection = "both"\n'),
+                     args=("--data-dir", "a"))
+    sa = paho_client(a.port, version=5)
+    sb = paho_client(b.port, version=5)
+    subscribe(sa, "shared/#", 1)
+    subscribe(sb, "shared/#", 1)
+    pa = paho_client(a.port, version=5)
+    pb = paho_client(b.port, version=5)
+
+    def probe():  # until the bridge's subscription on b is there
+        pb.publish("shared/probe", b"p", 1)
+        return any(m.payload == b"p" for m in drain(sa, 0.2))
+    assert wait_for(probe, timeout=20, interval=0.1), a.log
+    time.sleep(0.5)
+    drain(sa)
+    drain(sb)
+    for i in range(10):
+        pa.publish("shared/from-a", b"a%d" % i, 1).wait_for_publish(5)
+        pb.publish("shared/from-b", b"b%d" % i, 1).wait_for_publish(5)
+    time.sleep(1.5)  # (an echo would take a round trip more)
+    want = sorted([b"a%d" % i for i in range(10)] + [b"b%d" % i for i in range(10)])
+    assert sorted(m.payload for m in drain(sa, 0.5)) == want
+    assert sorted(m.payload for m in drain(sb, 0.5)) == want
+    for c in (sa, sb, pa, pb):
+        c.loop_stop()
+
+
+def test_bad_bridge_config_names_the_key_and_the_file(tmp_path, serve_broker):
+    base = '[[bridge]]\nname = "cloud"\naddress = "127.0.0.1:1883"\n[[bridge.topic]]\npattern = "a/#"\n'
+    cases = [
+        (base + 'direction = "upstream"\n', "bridge[0].topic[0].direction", "expected one of in, out, both"),
+        (base + 'remote_prefix = "site/+/"\n', "bridge[0].topic[0].remote_prefix", "no wildcards"),
+        (base.replace("127.0.0.1:1883", "cloud.example"), "bridge[0].address", "expected host:port"),
+        (base + 'direction = "both"\n' + "", None, None),  # valid (protocol 5)
+        (base.replace('address', 'protocol = "3.1.1"\naddress') + 'direction = "both"\n',
+         "bridge[0].topic[0].direction", "3.1.1 has no no-local"),
+        (base + "[storage]\nmode = \"memory\"\n", "bridge[0].topic[0].direction", "needs [storage] mode"),
+        (base + '[log]\ntopics = ["b/#"]\n', "bridge[0].topic[0].pattern", "not all recorded by [log] topics"),
+        (base.replace("[[bridge.topic]]\npattern = \"a/#\"\n", ""), "bridge[0].topic", "at least one"),
+    ]
+    for i, (text, key, expected) in enumerate(cases):
+        path = tmp_path / f"bad{i}.toml"
+        path.write_text(text)
+        r = subprocess.run([WRENMQ, "config", "check", str(path)], capture_output=True, text=True, timeout=30)
+        if key is None:
+            assert r.returncode == 0 and "1 bridge(s)" in r.stdout, r.stderr
+            continue
+        assert r.returncode == 2, (text, r.stdout)
+        assert r.stderr.startswith(f"wrenmq: {path}: {key}: ") and expected in r.stderr, r.stderr
+    # A host nobody answers on: the broker runs, and says which key of which file to look at.
+    dead = free_port()
+    edge = serve_broker(edge_config(0, address=f"127.0.0.1:{dead}"))
+    cfg = next(tmp_path.glob(f"wrenmq-{edge.port}.toml"))
+    assert wait_for(lambda: "cannot connect" in edge.log, timeout=10), edge.log
+    assert re.search(rf"bridge cloud: cannot connect to 127\.0\.0\.1:{dead} \(bridge\[0\]\.address in "
+                     rf"{re.escape(str(cfg))}\): .*refused", edge.log), edge.log
+    f = status(edge)["cloud"]
+    assert f["connected"] == "0" and int(f["connect_failures"]) >= 1 and f["state"] in ("waiting", "connecting")

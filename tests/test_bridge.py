@@ -380,3 +380,84 @@ def test_bad_bridge_config_names_the_key_and_the_file(tmp_path, serve_broker):
                      rf"{re.escape(str(cfg))}\): .*refused", edge.log), edge.log
     f = status(edge)["cloud"]
     assert f["connected"] == "0" and int(f["connect_failures"]) >= 1 and f["state"] in ("waiting", "connecting")
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    from test_cluster import Etcd
+    e = Etcd(tmp_path_factory.mktemp("etcd"))
+    yield e
+    e.stop()
+    e.log.close()
+
+
+def test_in_a_cluster_one_node_holds_the_remote_session_and_another_takes_it_over(tmp_path, serve_broker, etcd):
+    """Two nodes with the same bridge: the node holding the etcd key subscribes on the remote
+    (what comes in reaches both nodes' subscribers once), each node sends what its own
+    clients publish, a message going out through one node's link and coming back to the
+    other's subscription is recognised by its mark; when the holder is killed, the other
+    node takes the remote session over (what the remote kept meanwhile comes in)."""
+    remote = Mosquitto(tmp_path)
+    app = remote_subscriber(remote.port, "up/#")
+    name = f"cl{int(time.time() * 1000) % 10 ** 8}"
+    topics = ('[[bridge.topic]]\npattern = "up/#"\n'
+              '[[bridge.topic]]\npattern = "down/#"\ndirection = "in"\n'
+              '[[bridge.topic]]\npattern = "shared/#"\ndirection = "both"\n')
+
+    def node(n):
+        cluster = (f'[cluster]\nenabled = true\nname = "{name}"\nnode = "{n}"\netcd = ["{etcd.endpoint}"]\n'
+                   f'port = {free_port()}\nlease_ttl = 2\n')
+        return serve_broker(edge_config(remote.port, topics, extra=cluster), args=("--data-dir", n))
+    nodes = {"a": node("a"), "b": node("b")}
+    key = f"/wrenmq/{name}/bridges/cloud"
+
+    def holder():
+        out = etcd.ctl("get", "--print-value-only", key).stdout.strip()
+        return out or None
+    owner = wait_for(holder, timeout=20, interval=0.2)
+    assert owner in nodes, etcd.ctl("get", "--prefix", f"/wrenmq/{name}/").stdout
+    other = "b" if owner == "a" else "a"
+    subs = {n: paho_client(b.port, client_id=f"sub-{n}", version=5, clean=False,
+                           properties={"SessionExpiryInterval": 300}) for n, b in nodes.items()}
+    for c in subs.values():
+        c.reconnect_delay_set(0.1, 0.5)
+        subscribe(c, "down/#", 1)
+        subscribe(c, "shared/#", 1)
+    cloud = paho_client(remote.port, version=5)
+
+    def probe():  # the holder's subscription is on the remote, the others' filters known to it
+        cloud.publish("down/probe", b"p", 1)
+        return all(any(m.payload == b"p" for m in drain(c, 0.2)) for c in subs.values())
+    assert wait_for(probe, timeout=30, interval=0.2)
+    time.sleep(0.5)
+    for c in subs.values():
+        drain(c)
+    for i in range(5):
+        cloud.publish("down/x", b"in%d" % i, 1).wait_for_publish(5)
+    for n, b in nodes.items():
+        assert len(publish_acked(b.port, f"up/{n}", [b"%s%d" % (n.encode(), i) for i in range(20)], f"p-{n}")) == 20
+    assert len(publish_acked(nodes[other].port, "shared/s", [b"s%d" % i for i in range(5)], "p-s")) == 5
+    got = collect(app, lambda g: len({m.payload for m in g}) >= 40, timeout=20)
+    assert {m.payload for m in got} == {b"%s%d" % (n, i) for n in (b"a", b"b") for i in range(20)}
+    time.sleep(1.0)  # (an echo would take a round trip more)
+    for n, c in subs.items():
+        payloads = sorted(m.payload for m in drain(c, 0.5))
+        assert payloads == sorted([b"in%d" % i for i in range(5)] + [b"s%d" % i for i in range(5)]), (n, payloads)
+    f = status(nodes[owner])["cloud"]
+    assert f["owner"] == owner and f["client_id"] == f"{name}-cloud" and f["state"] == "connected"
+    g = status(nodes[other])["cloud"]
+    assert g["client_id"] == f"{name}-cloud-{other}" and int(g["messages/echoes"]) == 0
+    assert int(f["messages/echoes"]) == 5, f  # the non-holder's shared/s came back to the holder's subscription
+
+    nodes[owner].kill()
+    for i in range(5):  # while nobody holds it: the remote keeps them for the session
+        cloud.publish("down/y", b"gap%d" % i, 1).wait_for_publish(5)
+    assert wait_for(lambda: holder() == other, timeout=20, interval=0.2), holder()
+    got = collect(subs[other], lambda g: len({m.payload for m in g}) >= 5, timeout=20)
+    assert sorted({m.payload for m in got}) == [b"gap%d" % i for i in range(5)]
+    f = wait_for(lambda: (lambda x: x if x["state"] == "connected" else None)(status(nodes[other])["cloud"]),
+                 timeout=10, interval=0.3)
+    assert f and f["owner"] == other and f["client_id"] == f"{name}-cloud"
+    for c in (*subs.values(), cloud, app):
+        c.loop_stop()
+    remote.close()

@@ -555,7 +555,7 @@ def _validate_cluster(src, c):
         fail("advertise", f"required when bind is {c.bind!r} (the address other nodes connect to)")
 
 
-def _filters_overlap(a, b):
+def filters_overlap(a, b):
     """Whether some topic matches both MQTT filters `a` and `b`."""
     la, lb = a.split("/"), b.split("/")
     for x, y in zip(la, lb):
@@ -569,7 +569,7 @@ def _filters_overlap(a, b):
     return longer[min(len(la), len(lb))] == "#"  # ("a/#" matches "a" too)
 
 
-def _filter_covers(general, specific):
+def filter_covers(general, specific):
     """Whether every topic that filter `specific` matches is matched by filter `general`."""
     lg, ls = general.split("/"), specific.split("/")
     for i, x in enumerate(lg):
@@ -661,7 +661,7 @@ def _validate_bridges(cfg):
                 if cfg.storage.mode != "disk" or not cfg.log.enabled:
                     tfail("direction", f"{t.direction!r} sends from the commit log: needs [storage] mode "
                           "= \"disk\" and [log] enabled = true")
-                if not any(_filter_covers(f, local) for f in cfg.log.topics):
+                if not any(filter_covers(f, local) for f in cfg.log.topics):
                     tfail("pattern", f"{local!r} is not all recorded by [log] topics "
                           f"({', '.join(cfg.log.topics)}), and the bridge sends from the commit log")
                 outs.append((t.remote_prefix + t.pattern, j))
@@ -672,7 +672,7 @@ def _validate_bridges(cfg):
         if b.protocol == "3.1.1":
             for out, jo in outs:
                 for flt, ji in ins:
-                    if _filters_overlap(out, flt):
+                    if filters_overlap(out, flt):
                         key = f"topic[{max(jo, ji)}]." + ("direction" if jo == ji else "pattern")
                         fail(key, f"on the remote, what goes out ({out!r}) overlaps what comes in "
                              f"({flt!r}): MQTT 3.1.1 has no no-local, so the remote would send the bridge's "

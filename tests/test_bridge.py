@@ -135,6 +135,19 @@ def test_session_marks_and_recognises_its_own_messages_in_a_cluster():
     assert s.incoming(Publish("s/1", b"x", 1, packet_id=8))[0] == DELIVER
 
 
+def test_session_in_flight_bounded_in_bytes_too():
+    s = session(window=1000)
+    now = time.time()
+    big = b"x" * (1 << 20)
+    taken = 0
+    while not s.full:
+        assert s.take(rec(100 + taken, payload=big), now) is not None
+        taken += 1
+    assert taken == 16 and s.inflight_bytes >= 16 << 20  # (MAX_INFLIGHT_BYTES: 16 MiB)
+    s.acked(Puback(packet_id_of(100)))
+    assert not s.full and s.inflight_bytes < 16 << 20
+
+
 def test_session_in_flight_bounded_by_the_remotes_receive_maximum():
     s = session(window=100)
     s.connack(Connack(False, 0, {"receive_maximum": 2}))

@@ -44,6 +44,9 @@ _HOP = ("subscription_identifier", "topic_alias")
 # remote cannot take (too large for it, a topic it refuses by closing) must not stop
 # every message behind it for good.
 POISON_STRIKES = 5
+# Bytes of unacknowledged messages held for resending, at most (with the window, a
+# count, it bounds the memory a slow remote can take: 256 messages of 1 MiB would be 256 MiB).
+MAX_INFLIGHT_BYTES = 16 << 20
 
 
 def packet_id_of(offset):
@@ -90,6 +93,7 @@ class BridgeSession:
         self.pids = {}  # packet id -> Outgoing
         self.blocked = False  # the next record's packet id is still in flight
         self.window = cfg.max_inflight
+        self.inflight_bytes = 0
         self.incoming_qos2 = set()
         self.connected = False
         self.session_present = False
@@ -191,7 +195,7 @@ class BridgeSession:
 
     @property
     def full(self):
-        return self.blocked or len(self.inflight) >= self.window
+        return self.blocked or len(self.inflight) >= self.window or self.inflight_bytes >= MAX_INFLIGHT_BYTES
 
     def take(self, rec, now):
         """The PUBLISH for log record `rec` (or None: not for the remote), at wall-clock
@@ -240,6 +244,7 @@ class BridgeSession:
             out = Outgoing(rec.offset, pid, qos, packet, rec.timestamp)
             self.inflight[rec.offset] = out
             self.pids[pid] = out
+            self.inflight_bytes += len(packet)
         else:
             self.sent += 1
         return packet
@@ -247,6 +252,7 @@ class BridgeSession:
     def _done(self, out):
         del self.inflight[out.offset]
         del self.pids[out.pid]
+        self.inflight_bytes -= len(out.packet)
         self.blocked = False
 
     def acked(self, pkt):

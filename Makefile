@@ -6,6 +6,7 @@
 #   make bench [ARGS="--repeat 5"]         benchmark suite vs Mosquitto (~20 min)
 #   make bench-quick                       one pass of the main comparison (< 2 min)
 #   make bench-cluster                     one node vs two nodes through etcd (~2 min)
+#   make bench-bridge                      wrenmq's bridge vs Mosquitto's, to a local Mosquitto (~3 min)
 #   make soak  [ARGS="--minutes 10"]       client churn: does memory settle? (vs Mosquitto, ~13 min)
 #   make fuzz  [EXAMPLES=20000]            the fuzz targets, long
 #   make screenshots                       docs/dashboard*.png from a broker under load (~1.5 min) 
@@ -55,10 +56,10 @@ BUILD_DEBIAN_PKGS := gcc:gcc $(PY_INCLUDE)/Python.h:python3-dev
 COMPILED_SOURCES := setup.py src/wrenmq/mqtt/codec.py src/wrenmq/store/_encode.py \
                     src/wrenmq/store/_encode.pxd src/wrenmq/store/_epoch.py src/wrenmq/store/_epoch.pxd
 
-.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-cluster bench-deps soak demo fuzz screenshots clean
+.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-cluster bench-bridge bench-deps soak demo fuzz screenshots clean
 
 help:
-	@sed -n '4,13p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,14p' Makefile | sed 's/^# \{0,1\}//'
 
 # --- virtualenv --------------------------------------------------------------
 
@@ -119,6 +120,10 @@ bench-cluster: bench-deps
 	@$(ENSURE_DEB) etcd:etcd-server
 	$(PIP) install -q -e '.[cluster]'
 	$(PY) -m wrenmq.bench.cluster $(ARGS)
+
+# QoS 1 through a bridge to a local Mosquitto: wrenmq's (fsync always, interval) and Mosquitto's own.
+bench-bridge: bench-deps
+	$(PY) -m wrenmq.bench.bridge $(ARGS)
 
 # Minutes of connects, subscriptions, publishes and drops: wrenmq's RSS, then Mosquitto's.
 soak: bench-deps

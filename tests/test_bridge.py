@@ -331,16 +331,16 @@ def test_tls_with_a_client_certificate(tmp_path, serve_broker):
 
 
 def test_two_wrenmq_brokers_bridged_both_ways_do_not_echo(tmp_path, serve_broker):
-    """A bridge from a to b, direction both on shared/#: a message published on either
+    """A bridge from a to b, direction both on shared/# at QoS 2: a message published on either
     side reaches each side's subscriber exactly once (MQTT 5 no-local on the remote
     subscription; the log records what came in under the bridge, which does not send it back)."""
     b = serve_broker("[sys]\ninterval = 0\n", args=("--data-dir", "b"))
-    a = serve_broker(edge_config(b.port, '[[bridge.topic]]\npattern = "shared/#"\ndirection = "both"\n'),
+    a = serve_broker(edge_config(b.port, '[[bridge.topic]]\npattern = "shared/#"\ndirection = "both"\nqos = 2\n'),
                      args=("--data-dir", "a"))
     sa = paho_client(a.port, version=5)
     sb = paho_client(b.port, version=5)
-    subscribe(sa, "shared/#", 1)
-    subscribe(sb, "shared/#", 1)
+    subscribe(sa, "shared/#", 2)
+    subscribe(sb, "shared/#", 2)
     pa = paho_client(a.port, version=5)
     pb = paho_client(b.port, version=5)
 
@@ -351,13 +351,15 @@ def test_two_wrenmq_brokers_bridged_both_ways_do_not_echo(tmp_path, serve_broker
     time.sleep(0.5)
     drain(sa)
     drain(sb)
-    for i in range(10):
-        pa.publish("shared/from-a", b"a%d" % i, 1).wait_for_publish(5)
-        pb.publish("shared/from-b", b"b%d" % i, 1).wait_for_publish(5)
+    for i in range(10):  # (QoS 2 both ways: PUBREC, PUBREL, PUBCOMP through the bridge too)
+        pa.publish("shared/from-a", b"a%d" % i, 2).wait_for_publish(5)
+        pb.publish("shared/from-b", b"b%d" % i, 2).wait_for_publish(5)
     time.sleep(1.5)  # (an echo would take a round trip more)
     want = sorted([b"a%d" % i for i in range(10)] + [b"b%d" % i for i in range(10)])
-    assert sorted(m.payload for m in drain(sa, 0.5)) == want
-    assert sorted(m.payload for m in drain(sb, 0.5)) == want
+    for c in (sa, sb):
+        got = drain(c, 0.5)
+        assert sorted(m.payload for m in got) == want
+        assert {m.qos for m in got} == {2}
     for c in (sa, sb, pa, pb):
         c.loop_stop()
 

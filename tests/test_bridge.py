@@ -476,3 +476,26 @@ def test_in_a_cluster_one_node_holds_the_remote_session_and_another_takes_it_ove
     for c in (*subs.values(), cloud, app):
         c.loop_stop()
     remote.close()
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_a_message_the_remote_cannot_take_does_not_stop_those_behind_it(tmp_path, serve_broker, protocol):
+    """The remote's max_packet_size is 1,000 bytes. MQTT 5: the CONNACK says so and the
+    bridge drops the large message before sending it. MQTT 3.1.1: the remote closes the
+    connection each time it gets it; after five such closes the bridge skips it. Either
+    way the messages behind it arrive, and the drop is counted."""
+    remote = Mosquitto(tmp_path, extra="max_packet_size 1000\n")
+    app = remote_subscriber(remote.port, "site1/#")
+    edge = serve_broker(edge_config(remote.port, bridge=f'protocol = "{protocol}"\n'))
+    acked = publish_acked(edge.port, "sensors/a", [b"before", b"x" * 2000, b"after1", b"after2"], "p")
+    assert len(acked) == 4
+    got = collect(app, lambda g: {b"after1", b"after2"} <= {m.payload for m in g}, timeout=30)
+    assert [m.payload for m in got if len(m.payload) < 100][-2:] == [b"after1", b"after2"], edge.log
+    assert all(len(m.payload) < 1000 for m in got)
+    f = wait_for(lambda: (lambda x: x if x["messages/dropped"] == "1" else None)(status(edge)["cloud"]),
+                 timeout=10, interval=0.3)
+    assert f, status(edge)
+    assert "message(s) not carried so far" in edge.log
+    assert ("skipping it" in edge.log) == (protocol == "3.1.1")  # (5: dropped before it went)
+    app.loop_stop()
+    remote.close()

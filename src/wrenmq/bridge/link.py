@@ -179,6 +179,7 @@ class Bridge:
         self.denied = 0  # messages brought in that the ACL refused here
         self.invalid = 0  # messages brought in on topics this broker does not take
         self._said_disk = False
+        self._drops_said = 0
         self._pump_soon = False
         self._task = None
         self._tick_handle = None
@@ -413,6 +414,18 @@ class Bridge:
                 return
         if moved:
             self._pump()
+        self._note_drops()
+
+    def _note_drops(self):
+        """Log what was not carried, at 1, 2, 4, 8... of them (a few lines, not one per message)."""
+        s = self.session
+        n = s.refused + s.too_large + s.expired + s.skipped + s.unmapped + self.invalid
+        if n > self._drops_said and n >= 2 * self._drops_said:
+            self._drops_said = n
+            log.warning("bridge %s: %d message(s) not carried so far: %d refused by the remote, %d over its "
+                        "maximum packet size, %d expired, %d skipped, %d in on topics not carried in, %d in on "
+                        "topics not valid here", self.name, n, s.refused, s.too_large, s.expired, s.skipped,
+                        s.unmapped, self.invalid)
 
     def _incoming(self, wire, pkt):
         action, topic, props = self.session.incoming(pkt)
@@ -503,6 +516,7 @@ class Bridge:
                 self.last_tx = monotonic()
             if session.read_pos < end and not session.full:
                 self.wake()
+            self._note_drops()
         self._save_cursor()
 
     def _save_cursor(self):

@@ -499,3 +499,29 @@ def test_a_message_the_remote_cannot_take_does_not_stop_those_behind_it(tmp_path
     assert ("skipping it" in edge.log) == (protocol == "3.1.1")  # (5: dropped before it went)
     app.loop_stop()
     remote.close()
+
+
+def test_in_the_remote_is_told_the_largest_packet_this_broker_takes(tmp_path, serve_broker):
+    """MQTT 5: the CONNECT says [limits] max_packet_size, so the remote drops a larger
+    message for the bridge instead of sending it (which would end the connection here),
+    and the messages behind it come in."""
+    remote = Mosquitto(tmp_path)
+    topics = '[[bridge.topic]]\npattern = "cmd/#"\ndirection = "in"\n'
+    edge = serve_broker(edge_config(remote.port, topics) + "[limits]\nmax_packet_size = 1024\n")
+    local = paho_client(edge.port, version=5)
+    subscribe(local, "cmd/#", 1)
+    cloud = paho_client(remote.port, version=5)
+
+    def probe():
+        cloud.publish("cmd/probe", b"p", 1)
+        return any(m.topic == "cmd/probe" for m in drain(local, 0.2))
+    assert wait_for(probe, timeout=20, interval=0.1), edge.log
+    drain(local, 0.3)
+    for payload in (b"small1", b"x" * 4000, b"small2"):
+        cloud.publish("cmd/a", payload, 1).wait_for_publish(5)
+    got = collect(local, lambda g: len(g) >= 2, timeout=10)
+    assert [m.payload for m in got] == [b"small1", b"small2"]
+    assert "cannot take what" not in edge.log and edge.log.count("bridge cloud: connected to") == 1, edge.log
+    for c in (local, cloud):
+        c.loop_stop()
+    remote.close()

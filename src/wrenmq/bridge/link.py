@@ -67,7 +67,10 @@ class _Wire(asyncio.Protocol):
     def __init__(self, bridge):
         self.bridge = bridge
         self.transport = None
-        self.decoder = Decoder(bridge.session.version)
+        # What a client may send here bounds what a remote may: an MQTT 5 remote is told
+        # (and drops larger messages for the bridge); from a 3.1.1 remote a larger packet
+        # ends the connection.
+        self.decoder = Decoder(bridge.session.version, bridge.session.max_packet_size)
         self.paused = False  # the socket is over its write buffer limit
         self.close_pending = False
         self.opened = monotonic()
@@ -167,7 +170,7 @@ class Bridge:
         self.owner_node = node if self.owner else ""
         mark = self.base_id if self.clustered else None
         self.session = BridgeSession(cfg, self.topics, self.local.client_id, self.base_id, cursor, mark,
-                                     subscribe=self.owner)
+                                     subscribe=self.owner, max_packet_size=broker.config.limits.max_packet_size)
         self.state = "stopped"
         self.on_change = None  # called with the bridge when its state changes ($SYS at once)
         self.address = ""
@@ -359,7 +362,9 @@ class Bridge:
         try:
             packets = wire.decoder.feed(data)
         except MQTTError as e:
-            log.warning("bridge %s: malformed data from %s (%s); reconnecting", self.name, self.address, e)
+            hint = " ([limits] max_packet_size bounds what a remote may send)" \
+                if e.reason == C.PACKET_TOO_LARGE else ""
+            log.warning("bridge %s: cannot take what %s sent: %s%s; reconnecting", self.name, self.address, e, hint)
             wire.abort()
             return
         moved = False

@@ -79,8 +79,10 @@ DELIVER, DUPLICATE, UNMAPPED, ECHO = range(4)
 class BridgeSession:
     """One bridge's MQTT client state; it outlives connections (`lost` keeps what is in flight)."""
 
-    def __init__(self, cfg, topics, local_id, client_id, cursor, origin_mark=None, subscribe=True):
+    def __init__(self, cfg, topics, local_id, client_id, cursor, origin_mark=None, subscribe=True,
+                 max_packet_size=0):
         self.cfg = cfg
+        self.max_packet_size = max_packet_size  # what this side takes (told to an MQTT 5 remote)
         self.topics = topics
         self.v5 = cfg.protocol == "5"
         self.version = C.MQTT5 if self.v5 else C.MQTT311
@@ -119,6 +121,8 @@ class BridgeSession:
         props = {}
         if self.v5:
             props["receive_maximum"] = 1024
+            if self.max_packet_size:
+                props["maximum_packet_size"] = self.max_packet_size
             if not cfg.clean_start:
                 props["session_expiry_interval"] = 0xFFFFFFFF  # kept until the bridge comes back
         return encode(Connect(self.client_id, self.version, cfg.clean_start, cfg.keepalive, None,

@@ -194,6 +194,23 @@ def serve_broker(tmp_path):
             b.proc.wait(10)
 
 
+@pytest.fixture
+def mosquitto(tmp_path):
+    """Factory of Mosquitto brokers for the bridge tests (bridge_helpers.Mosquitto: its own
+    port, persistence on), stopped at the end."""
+    from bridge_helpers import Mosquitto
+    made = []
+
+    def factory(**kw):
+        m = Mosquitto(tmp_path, **kw)
+        made.append(m)
+        return m
+
+    yield factory
+    for m in made:
+        m.close()
+
+
 class RawClient:
     """Bytes over a socket: send anything, read back decoded packets."""
 

@@ -27,7 +27,7 @@ from ..broker.topics import TopicError, validate_topic_name
 from ..config import ConfigError
 from ..mqtt import constants as C
 from ..mqtt.codec import Decoder, MQTTError
-from .session import DELIVER, BridgeRefused, BridgeSession
+from .session import DELIVER, POISON_STRIKES, BridgeRefused, BridgeSession
 from .topics import TopicMap
 
 log = logging.getLogger("wrenmq.bridge")
@@ -306,7 +306,7 @@ class Bridge:
         up = self.session.connected
         if not up and not self._stopping:
             self.failures += 1
-        self._disconnected(wire, why, delay)
+        self._disconnected(wire, why, self.cfg.reconnect_delay if up else delay)
         return up
 
     def _disconnected(self, wire, why, delay=None):
@@ -322,7 +322,7 @@ class Bridge:
         if skipped is not None:
             log.error("bridge %s: the remote closed the connection %d times with the message at offset %d "
                       "unacknowledged; skipping it (counted in messages/dropped)", self.name,
-                      5, skipped.offset)
+                      POISON_STRIKES, skipped.offset)
         if was_up and not self._stopping:
             reason = why if isinstance(why, str) else (f"{why}" if why else "closed by the remote")
             log.warning("bridge %s: connection to %s lost (%s); reconnecting%s", self.name, self.address,

@@ -372,6 +372,7 @@ def test_cli_serve_recognises_a_mosquitto_file_and_says_where_its_settings_go(tm
     for directive in ("pid_file", "persistence", "listener", "allow_anonymous", "password_file", "connection"):
         assert directive in msg
     assert "docs/CONFIG.md" in msg and "Coming from Mosquitto" in msg
+    assert f"Convert it with `wrenmq config import {path}`" in msg
     assert "Expected '='" not in msg
     assert not listening(port)
     assert run("config", "check", str(path)).stderr == r.stderr

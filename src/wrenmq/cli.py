@@ -116,6 +116,23 @@ def _config_check(args):
     return 0
 
 
+def _config_import(args):
+    from .config_import import MosquittoImportError, import_mosquitto
+    try:
+        text, skipped = import_mosquitto(args.file)
+    except MosquittoImportError as e:
+        print(f"wrenmq: {e}", file=sys.stderr)
+        return 2
+    if args.output:
+        with open(args.output, "w") as fh:
+            fh.write(text)
+    else:
+        sys.stdout.write(text)
+    print(f"{args.file}: imported; {len(skipped)} line(s) not carried over, listed at the top"
+          + (f" of {args.output}" if args.output else ""), file=sys.stderr)
+    return 0
+
+
 def _config_docs(args):
     from .config import config_markdown
     sys.stdout.write(config_markdown())
@@ -151,6 +168,10 @@ def build_parser():
     cc = csub.add_parser("check", help="validate a configuration file")
     cc.add_argument("file", help="the TOML file")
     cc.set_defaults(func=_config_check)
+    ci = csub.add_parser("import", help="print a Mosquitto configuration file as wrenmq's TOML")
+    ci.add_argument("file", help="mosquitto.conf (its include_dir files are read too)")
+    ci.add_argument("-o", "--output", metavar="FILE", help="write the TOML here instead of to stdout")
+    ci.set_defaults(func=_config_import)
     cd = csub.add_parser("docs", help="print every setting as Markdown (docs/CONFIG.md)")
     cd.set_defaults(func=_config_docs)
 

@@ -4,11 +4,10 @@ People coming from Mosquitto give `wrenmq serve --config` their `mosquitto.conf`
 cannot parse it ("Expected '='"), which says nothing useful; `mosquitto_directives`
 recognises such a file by the directives it uses, and `mosquitto_message` says what it is
 and where each directive goes. `DIRECTIVES` is that mapping, one entry per directive of
-mosquitto.conf(5); docs/CONFIG.md prints it ("Coming from Mosquitto"), and a converting
-command (`wrenmq config import`) is to follow the same table and the same recognition.
+mosquitto.conf(5); docs/CONFIG.md prints it ("Coming from Mosquitto"), and
+`wrenmq config import` (config_import.py) converts a file with the same table and the
+same recognition.
 """
-
-_BRIDGE = "(none: a bridge's setting, see `connection`)"
 
 # Mosquitto directive -> the wrenmq setting that does its job ("" = none: wrenmq has no
 # counterpart, or does it always, as the note says).
@@ -91,34 +90,36 @@ DIRECTIVES = {
     "websockets_log_level": "",
     "websockets_headers_size": "",
     # bridges
-    "connection": "(none: wrenmq has no bridges yet)",
-    "address": _BRIDGE,
-    "addresses": _BRIDGE,
-    "topic": _BRIDGE,
-    "bridge_protocol_version": _BRIDGE,
-    "bridge_cafile": _BRIDGE,
-    "bridge_certfile": _BRIDGE,
-    "bridge_keyfile": _BRIDGE,
-    "bridge_insecure": _BRIDGE,
-    "cleansession": _BRIDGE,
-    "keepalive_interval": _BRIDGE,
-    "idle_timeout": _BRIDGE,
-    "local_clientid": _BRIDGE,
-    "remote_clientid": _BRIDGE,
-    "remote_username": _BRIDGE,
-    "remote_password": _BRIDGE,
-    "notifications": _BRIDGE,
-    "notification_topic": _BRIDGE,
-    "restart_timeout": _BRIDGE,
-    "round_robin": _BRIDGE,
-    "start_type": _BRIDGE,
-    "threshold": _BRIDGE,
-    "try_private": _BRIDGE,
+    "connection": "`[[bridge]]` `name` (docs/BRIDGE.md)",
+    "address": "`[[bridge]]` `address` (the port defaults to 1883)",
+    "addresses": "`[[bridge]]` `address` (a list: tried in turn)",
+    "topic": "`[[bridge.topic]]` `pattern`, `direction`, `qos`, `local_prefix`, `remote_prefix`",
+    "bridge_protocol_version": "`[[bridge]]` `protocol` (\"5\" or \"3.1.1\")",
+    "bridge_cafile": "`[[bridge]]` `cafile`, with `tls = true`",
+    "bridge_capath": "`[[bridge]]` `cafile` (one PEM file of the CAs)",
+    "bridge_certfile": "`[[bridge]]` `certfile`, with `tls = true`",
+    "bridge_keyfile": "`[[bridge]]` `keyfile`",
+    "bridge_insecure": "(none: the remote's host name is always checked)",
+    "cleansession": "`[[bridge]]` `clean_start`",
+    "keepalive_interval": "`[[bridge]]` `keepalive`",
+    "idle_timeout": "(none: a bridge stays connected)",
+    "local_clientid": "(none: a bridge publishes here as `$bridge/<name>`)",
+    "local_username": "`[[bridge]]` `local_username` (the ACL's user for what comes in)",
+    "local_password": "(none: a bridge does not log in here)",
+    "remote_clientid": "`[[bridge]]` `client_id`",
+    "remote_username": "`[[bridge]]` `username`",
+    "remote_password": "`[[bridge]]` `password`",
+    "notifications": "(none: `$SYS/broker/bridge/<name>/state` says whether it is connected)",
+    "notification_topic": "(none: `$SYS/broker/bridge/<name>/state` says whether it is connected)",
+    "restart_timeout": "`[[bridge]]` `reconnect_delay`, `reconnect_max`",
+    "round_robin": "(none: the addresses are tried in turn)",
+    "start_type": "(none: a bridge is always started)",
+    "threshold": "",
+    "try_private": "(none: MQTT 5 no-local keeps a bridge's own messages from coming back)",
 }
 
-# The command that converts a Mosquitto file to wrenmq's TOML, once there is one (the
-# message then names it instead of the table).
-CONVERT_COMMAND = ""
+# The command that converts a Mosquitto file to wrenmq's TOML (the message names it).
+CONVERT_COMMAND = "wrenmq config import"
 
 
 def _directive(line):

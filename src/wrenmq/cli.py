@@ -55,9 +55,9 @@ def _serve(args):
 
 
 async def _run(cfg):
+    from .bridge import bridge_extensions
     from .broker.broker import Broker
 
-    from .bridge import bridge_extensions
     try:
         broker = Broker(cfg, extensions=bridge_extensions(cfg))
     except ConfigError as e:  # e.g. a password or ACL file that cannot be used

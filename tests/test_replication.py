@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from wrenmq.cluster import replication_control as RC
 from wrenmq.cluster import replication_frames as F
 from wrenmq.cluster.replication import (
-    Append, BeginSnapshot, Fenced, HighWatermark, InstallSnapshot, LeaderEpochs, LeaderEpochsError,
-    PartitionFollower, PartitionLeader, ProposeIsr, RefreshMetadata, ReplicationError, SaveEpochs, Send,
-    SendData, SendSnapshot, Truncate, WriteSnapshot,
+    Append, BeginSnapshot, Fenced, HighWatermark, InstallSnapshot, PartitionFollower, PartitionLeader, ProposeIsr,
+    RefreshMetadata, ReplicationError, SaveEpochs, Send, SendData, SendSnapshot, Truncate, WriteSnapshot,
 )
+from wrenmq.cluster.replication_epochs import LeaderEpochs, LeaderEpochsError
 
 NO = F.NO_EPOCH
 

@@ -37,171 +37,14 @@ fsynced; the HW is an end too (records below it are committed).
 from dataclasses import dataclass
 
 from . import replication_frames as frames
+from .replication_epochs import LeaderEpochsError
 from .replication_frames import NO_EPOCH
-
-EPOCHS_HEADER = "wrenmq-leader-epochs 1"
-MAX_EPOCH_ENTRIES = 100_000  # an epoch history file longer than this is refused as corrupt
 
 
 class ReplicationError(RuntimeError):
     """A peer broke the protocol in a way no correct peer can (data that does not follow
     the log, a truncation below the high watermark): the I/O layer drops the connection,
     logs it and refetches; nothing is appended or truncated."""
-
-
-class LeaderEpochsError(ValueError):
-    """An epoch history that is not one: unreadable text, or epochs that go backwards."""
-
-
-class LeaderEpochs:
-    """The (epoch, start offset) history of one replica's log: the records of `epoch` begin
-    at `start` and end where the next entry begins (the last entry: at the log end).
-    Kafka's leader-epoch-checkpoint (KIP-101). Epochs strictly increase, starts never
-    decrease, and an epoch that got no record before the next one began is dropped, so
-    `end_offset_for` answers for the epochs that hold records (and the leader's current
-    one, assigned when it took over, KIP-279).
-
-    The I/O layer persists `to_text()` atomically (write a temporary file, fsync, rename)
-    whenever a decision says so (`SaveEpochs`), and on start reads it with `from_text`
-    and `truncate_from_end(log end)`: a crash may leave entries past what survived of
-    the log."""
-
-    __slots__ = ("_entries",)
-
-    def __init__(self, entries=()):
-        self._entries = []
-        for epoch, start in entries:
-            self._check_next(epoch, start)
-            self._entries.append((epoch, start))
-
-    def _check_next(self, epoch, start):
-        if epoch < 0 or start < 0:
-            raise LeaderEpochsError(f"negative epoch or offset ({epoch}, {start})")
-        if self._entries:
-            last_epoch, last_start = self._entries[-1]
-            if epoch <= last_epoch or start < last_start:
-                raise LeaderEpochsError(f"entry ({epoch}, {start}) after ({last_epoch}, {last_start})")
-
-    @property
-    def entries(self):
-        return list(self._entries)
-
-    @property
-    def latest_epoch(self):
-        return self._entries[-1][0] if self._entries else NO_EPOCH
-
-    def __len__(self):
-        return len(self._entries)
-
-    def __eq__(self, other):
-        return isinstance(other, LeaderEpochs) and self._entries == other._entries
-
-    def __repr__(self):
-        return f"LeaderEpochs({self._entries})"
-
-    def assign(self, epoch, start):
-        """Records that the records of `epoch` begin at `start` (a leader taking over at its
-        log end; a follower appending a batch). Entries that begin at or after `start`
-        belong to epochs that got no records before this one and go, as in Kafka's
-        LeaderEpochFileCache.assign. Returns whether the history changed.
-        LeaderEpochsError if records of a later epoch already lie before `start`."""
-        if epoch < 0 or start < 0:
-            raise LeaderEpochsError(f"negative epoch or offset ({epoch}, {start})")
-        entries = self._entries
-        changed = False
-        while entries and entries[-1][1] >= start:
-            if entries[-1] == (epoch, start):
-                return changed
-            entries.pop()
-            changed = True
-        if entries:
-            last_epoch = entries[-1][0]
-            if last_epoch == epoch:
-                return changed
-            if last_epoch > epoch:
-                raise LeaderEpochsError(f"records of epoch {epoch} at {start} after records of epoch {last_epoch}")
-        entries.append((epoch, start))
-        return True
-
-    def epoch_at(self, offset):
-        """The epoch of the record at `offset` (NO_EPOCH if the history starts later)."""
-        found = NO_EPOCH
-        for epoch, start in self._entries:
-            if start > offset:
-                break
-            found = epoch
-        return found
-
-    def end_offset_for(self, epoch, log_end):
-        """(epoch, end offset): KIP-279's OffsetsForLeaderEpoch answer for `epoch`. The end is
-        where the next higher epoch starts (`log_end` for the latest epoch); the epoch
-        answered is the largest one in the history that is at most `epoch`. For an epoch
-        older than the whole history: `epoch` and the first entry's start (the records
-        before it are gone, and the asker must not keep any of its own from there).
-        (NO_EPOCH, -1) if the history is empty, `epoch` is NO_EPOCH or newer than all."""
-        entries = self._entries
-        if epoch == NO_EPOCH or not entries or epoch > entries[-1][0]:
-            return NO_EPOCH, -1
-        if epoch == entries[-1][0]:
-            return epoch, log_end
-        floor = None
-        for i, (e, start) in enumerate(entries):
-            if e > epoch:
-                return (epoch, start) if floor is None else (floor, start)
-            floor = e
-        raise AssertionError("unreachable: the latest epoch is larger")
-
-    def truncate_from_end(self, end):
-        """The log was truncated to `end`: drop the entries that begin at or after it."""
-        entries = self._entries
-        changed = False
-        while entries and entries[-1][1] >= end:
-            entries.pop()
-            changed = True
-        return changed
-
-    def truncate_from_start(self, start):
-        """The log now starts at `start` (retention, or a snapshot): entries that begin
-        before it collapse into one that begins at `start`."""
-        entries = self._entries
-        keep = 0
-        while keep < len(entries) and entries[keep][1] <= start:
-            keep += 1
-        if keep == 0 or (keep == 1 and entries[0][1] == start):
-            return False
-        epoch = entries[keep - 1][0]
-        self._entries = [(epoch, start)] + entries[keep:]
-        return True
-
-    def clear(self):
-        changed = bool(self._entries)
-        self._entries = []
-        return changed
-
-    def copy(self):
-        c = LeaderEpochs()
-        c._entries = list(self._entries)
-        return c
-
-    def to_text(self):
-        return "\n".join([EPOCHS_HEADER] + [f"{e} {s}" for e, s in self._entries]) + "\n"
-
-    @classmethod
-    def from_text(cls, text):
-        lines = text.split("\n")
-        if lines and lines[-1] == "":
-            lines.pop()
-        if not lines or lines[0] != EPOCHS_HEADER:
-            raise LeaderEpochsError("not an epoch history (no header line)")
-        if len(lines) - 1 > MAX_EPOCH_ENTRIES:
-            raise LeaderEpochsError(f"{len(lines) - 1} entries (at most {MAX_EPOCH_ENTRIES})")
-        entries = []
-        for n, line in enumerate(lines[1:], 2):
-            parts = line.split(" ")
-            if len(parts) != 2 or not all(p.isdigit() for p in parts):
-                raise LeaderEpochsError(f"line {n}: {line[:40]!r} is not 'epoch start'")
-            entries.append((int(parts[0]), int(parts[1])))
-        return cls(entries)
 
 
 # --------------------------------------------------------------------------- decisions
@@ -352,7 +195,6 @@ class PartitionLeader:
         self._caught_up = {m: now for m in self.isr}  # follower -> last time it was caught up
         self._last_fetch = {}  # follower -> (time, log end) at its previous fetch
         self._parked = {}  # follower -> [incarnation, seq, fetch offset, deadline, hw sent]
-        self._started = False
 
     # -- inputs ------------------------------------------------------------------
 
@@ -360,7 +202,6 @@ class PartitionLeader:
         """Take the epoch: its records begin at the log end (KIP-279: the epoch is assigned
         when leadership starts, so a follower asking about the previous epoch learns where
         it ended even before this leader appends anything)."""
-        self._started = True
         if self.epochs.assign(self.epoch, self.log_end):
             return [SaveEpochs(self.epochs.to_text())]
         return []
@@ -414,9 +255,10 @@ class PartitionLeader:
             return []  # from a process of that node that has since been replaced
         if fetch.fetch_offset < self.log_start:
             return [SendSnapshot(follower, fetch.incarnation, fetch.seq, self.epoch)]
-        diverged = self._check_history(fetch)
+        diverged = self.check_history(fetch)
         if diverged is not None:
-            return [Send(follower, frames.Diverged(self.partition, self.epoch, fetch.incarnation, fetch.seq, *diverged))]
+            return [Send(follower, frames.Diverged(self.partition, self.epoch, fetch.incarnation, fetch.seq,
+                                                   *diverged))]
         out = []
         self._parked.pop(follower, None)  # an earlier fetch of its, answered or given up on
         self._record_position(follower, fetch.incarnation, fetch.fetch_offset, now)
@@ -451,7 +293,9 @@ class PartitionLeader:
 
     def isr_changed(self, isr, epoch, now, replicas=None):
         """etcd holds this ISR (and replica list) for the partition now: a transaction of this
-        leader succeeded, or another change was read (a replaced node leaving the ISR)."""
+        leader succeeded, or another change was read (a replaced node leaving the ISR). A
+        proposal stays pending until this ISR is the proposed one or `isr_change_failed`
+        says it can no longer be: until then it may still be applied."""
         if self.fenced_epoch is not None:
             return []
         if epoch > self.epoch:
@@ -506,7 +350,7 @@ class PartitionLeader:
         self.fenced(epoch)
         return [Fenced(epoch)]
 
-    def _check_history(self, fetch):
+    def check_history(self, fetch):
         """None if the follower's log up to its fetch offset is a prefix of this one, else
         (diverging epoch, end offset) for DIVERGED. The check is KIP-595's fetch-time form of
         KIP-279: the follower's last record has epoch `last_fetched_epoch`; if this history
@@ -558,7 +402,9 @@ class PartitionLeader:
             members.append(self.node)
         return members
 
-    def _compute_hw(self):
+    def compute_hw(self):
+        """The HW the ISR allows now: the minimum of the members' durable ends (`hw_members`),
+        or None while fewer than `min_insync` are in sync or a member has not fetched yet."""
         if len(self.isr) < self.min_insync:
             return None
         low = None
@@ -571,7 +417,7 @@ class PartitionLeader:
         return low
 
     def _advance_hw(self, out):
-        hw = self._compute_hw()
+        hw = self.compute_hw()
         if hw is None or hw <= self.hw:
             return
         self.hw = hw
@@ -584,11 +430,18 @@ class PartitionLeader:
                 del self._parked[follower]
                 out.append(SendData(follower, p[0], p[1], self.epoch, hw, p[2], p[2]))
 
+    def may_rejoin(self, position):
+        """Whether a follower durable up to `position` may join the ISR: it holds everything
+        below the HW, and everything this leader had when its epoch began (the HW of a new
+        leader can lag the old leader's: a follower that reached only that stale HW could
+        lack records the old leader acknowledged, KAFKA-7128)."""
+        return position >= self.hw and position >= self.epoch_start
+
     def _maybe_expand(self, follower, out):
         if follower in self.isr or self.pending is not None:
             return
         p = self._position(follower)
-        if p is not None and p >= self.hw and p >= self.epoch_start:
+        if p is not None and self.may_rejoin(p):
             self.pending = self.isr + (follower,)
             out.append(ProposeIsr(self.pending, self.epoch))
 

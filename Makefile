@@ -10,6 +10,7 @@
 #   make soak  [ARGS="--minutes 10"]       client churn: does memory settle? (vs Mosquitto, ~13 min)
 #   make fuzz  [EXAMPLES=20000]            the fuzz targets, long
 #   make screenshots                       docs/dashboard*.png from a broker under load (~1.5 min) 
+#   make sim   [SEEDS=5000] [SEED=n]       the replication simulator: many seeds, or replay one
 #   make demo  [ARGS="--devices 50"]       broker + simulated fleet + Spark jobs, for a minute
 #   make clean                             remove .venv, .bench and build caches (not data)
 
@@ -56,10 +57,10 @@ BUILD_DEBIAN_PKGS := gcc:gcc $(PY_INCLUDE)/Python.h:python3-dev
 COMPILED_SOURCES := setup.py src/wrenmq/mqtt/codec.py src/wrenmq/store/_encode.py \
                     src/wrenmq/store/_encode.pxd src/wrenmq/store/_epoch.py src/wrenmq/store/_epoch.pxd
 
-.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-cluster bench-bridge bench-deps soak demo fuzz screenshots clean
+.PHONY: help run test test-deps debian-test-deps npm-test-deps bench bench-quick bench-cluster bench-bridge bench-deps soak demo fuzz screenshots sim clean
 
 help:
-	@sed -n '4,14p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,15p' Makefile | sed 's/^# \{0,1\}//'
 
 # --- virtualenv --------------------------------------------------------------
 
@@ -143,6 +144,16 @@ fuzz: test-deps
 # minute of `wrenmq bench` load so the charts have something to show.
 screenshots: test-deps
 	WRENMQ_SCREENSHOTS=docs WRENMQ_TEST_NO_SKIP=1 $(PY) -m pytest -q tests/test_admin_dashboard.py -k screenshot
+
+# --- sim ---------------------------------------------------------------------
+
+# The deterministic replication simulator (tests/replication_sim.py) over many more seeds
+# than make test runs (300), without the suite's per-test timeout: SEEDS=5000 takes about
+# 5 minutes here. A failing seed prints itself, its faults and its last events; SEED=N
+# replays that seed alone and prints every event of it.
+sim: $(VENV)/.stamp-install
+	@if [ -n "$(SEED)" ]; then $(PY) tests/replication_sim.py --seed $(SEED) --trace; \
+	else $(PY) tests/replication_sim.py --seeds $${SEEDS:-5000} $(ARGS); fi
 
 # --- demo --------------------------------------------------------------------
 

@@ -130,7 +130,8 @@ class SimNode:
         w = self.world
         self.joining = w.now
         if self.lease is None:
-            w.etcd_call(self, "grant", (w.p.ttl,), self._granted)
+            sent = w.now
+            w.etcd_call(self, "grant", (w.p.ttl,), lambda lease: self._granted(lease, sent))
         else:
             self._register()
 
@@ -157,15 +158,18 @@ class SimNode:
         self.disk = {}
         self.world.trace(self, "lost")
 
-    def _granted(self, lease):
+    def _granted(self, lease, sent):
+        """The lease is valid until `sent` (when it was asked for) + TTL by this node's clock,
+        at the latest: etcd started counting when the request got there."""
         if self.lease is None:
             self.lease = lease
+            self.valid_until = sent + self.world.p.ttl
             self.next_keepalive = self.world.now + self.world.p.keepalive
             self._register()
 
     def _register(self):
         w = self.world
-        sent = self.joining = w.now
+        self.joining = w.now
 
         def done(res):
             ok, rev = res
@@ -173,7 +177,6 @@ class SimNode:
                 return
             if ok:
                 self.incarnation = rev
-                self.valid_until = sent + w.p.ttl
                 w.trace(self, "registered", incarnation=rev)
                 self._poll()
             else:  # the name is still held by an earlier process's lease: wait for it to run out

@@ -325,6 +325,29 @@ def test_follower_truncates_by_epoch_until_the_logs_agree(case):
     assert f.epochs.entries == history_of(llog).entries
 
 
+# The leader's side of the check, over its log of epochs [0]*5 + [2]*5 (+ its epoch 3 from 10):
+# (fetch offset, last fetched epoch) -> None (the follower's log is a prefix) or DIVERGED's
+# (diverging epoch, end offset).
+HISTORY_CHECK = [
+    (5, 0, None),
+    (3, 0, None),
+    (7, 2, None),
+    (10, 2, None),
+    (6, 0, (0, 5)),  # epoch 0 ends at 5 here: the follower's 6th record is not ours
+    (12, 2, (2, 10)),
+    (6, 1, (0, 5)),  # epoch 1 never was here: where the epoch below it ended
+    (0, NO, None),  # an empty log
+    (10, NO, None),  # an empty log from 10 (after a snapshot)
+    (11, NO, (NO, 10)),  # an empty log past this one's end
+]
+
+
+@pytest.mark.parametrize("offset, lfe, answer", HISTORY_CHECK)
+def test_leader_history_check(offset, lfe, answer):
+    ld = leader([0] * 5 + [2] * 5, 3)
+    assert ld.check_history(F.Fetch("P", 3, 1, 1, offset, lfe)) == answer
+
+
 def test_a_follower_never_truncates_by_its_high_watermark():
     # KIP-101: truncating to the HW on a leader change loses records the old leader
     # committed after the follower last heard its HW. Nothing is truncated until the

@@ -204,7 +204,10 @@ def wants_handover(record, partition, live):
 def handover(prefix, partition, record, revision, leader, incarnation, to, live):
     """The leader hands leadership to `to`, an ISR member that is alive (the preferred
     leader's return, after the leader stopped acknowledging and committed what it had):
-    epoch + 1, ISR unchanged, granted to `to`'s current process."""
+    epoch + 1, ISR unchanged, granted to `to`'s current process. The caller must have
+    seen that process caught up (`PartitionLeader.position(to)` at the log end, from the
+    incarnation `live` names): a node replaced by an empty one is still in the ISR until
+    it has taken itself out (`leave_isr`), and must not be handed anything before."""
     key = partition_key(prefix, partition)
     if not _led_by(record, leader, incarnation, record.epoch) or to not in record.isr or to not in live:
         return None

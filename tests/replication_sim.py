@@ -4,12 +4,15 @@ Nodes run the real sans-IO core (`wrenmq.cluster.replication`, `replication_cont
 `replication_frames`: every frame is encoded and decoded) inside a small I/O layer
 (`replication_sim_node.py`), on top of fakes driven by one seeded RNG and one clock:
 
-- a network with per-message delay, loss, duplication and the reordering that random
-  delays make, and cuts between any two nodes or between a node and etcd;
-- a disk per node (appended vs fsynced: a crash keeps the fsynced records and a random
-  part of the rest; a permanent loss keeps nothing);
-- a linearizable etcd: keys with create and mod revisions, transactions with compares,
-  leases that expire when not refreshed (and take their keys with them);
+- a network with per-message delay, loss, duplication, stragglers (a message that
+  arrives hundreds of ms after those sent with it) and the reordering all that makes,
+  and cuts between any two nodes or between a node and etcd; MQTT between a client and
+  a node is one TCP connection (in order, never twice, closed when leadership moves);
+- a disk per node (appended vs fsynced: a crash keeps the fsynced batches and some of
+  the others, whole; a permanent loss keeps nothing);
+- a linearizable etcd: keys with create and mod revisions, transactions with compares
+  (applied when they arrive, after a random raft-and-fsync time), leases that expire
+  when not refreshed and take their keys with them;
 - MQTT publishers per partition (QoS 1 and QoS 2, packet ids reused, resends after
   failover), acknowledged exactly when the leader's high watermark passes the record.
 
@@ -17,20 +20,25 @@ Faults, in random order and overlapping: crash and restart, permanent loss and a
 replacement (only while every partition keeps another ISR member with its replica: the
 promise is about losing one node), pause past the lease (a zombie that resumes with
 stale state), a node cut from the other nodes but not etcd and the reverse, random
-splits, lossy and slow periods, retention that makes followers need a snapshot.
+splits, lossy and slow periods, retention that makes followers need a snapshot, and
+ambushes: a crash, pause, loss or cut of a leader a few ms after its ISR grew or shrank
+or it was elected.
 
 Invariants, checked as the run goes and at its end (`Oracle`): no acknowledged record
 lost (every one in the final leader's log at the offset it was acknowledged at); every
-replica agrees with the committed records (any offset below any leader's or follower's
-HW) wherever it holds them, so each is a prefix of the leader's log up to its HW;
-nothing applied is truncated; at most one leader (one process) acknowledges per epoch,
-and only while etcd still names it leader at that epoch; a leader's HW never decreases
-within an epoch; QoS 2 exactly once (at most one committed message per QoS 2 message,
-exactly one for an acknowledged one); and, after the faults heal, every partition has a
-serving leader and every publisher got every answer.
+record below any leader's or follower's HW is committed, and committed records never
+change (each replica holds them below its HW, so it is a prefix of the leader's log up
+to there; a leader never appends where one is); nothing applied is truncated; at most
+one leader (one process) acknowledges per epoch, and only while etcd still names it
+leader at that epoch; a leader's HW never decreases within an epoch, nor passes its own
+durable end; QoS 2 exactly once (at most one committed message per QoS 2 message,
+exactly one for an acknowledged one); the core refuses no frame (a ReplicationError is
+a failure); and, after the faults heal, every partition has a serving leader and every
+publisher got every answer.
 
     python tests/replication_sim.py --seed N [--trace]   replay one seed (the failure's story)
     python tests/replication_sim.py --seeds N [--start S]   run many, print seeds/s
+    python tests/replication_sim.py --bug NAME --seeds N    a known bug in the core: which seed catches it
 """
 
 import argparse
@@ -329,7 +337,7 @@ class World:
         self.slow = 0
         self.publishing = False
         self.healed = False
-        self.lost = None  # the node whose disk is gone and whose replacement is catching up
+        self.lost = set()  # nodes whose disk is gone, until their replacement is in sync again
         self.schedule = make_schedule(self.rng, self.p, self.names)
         self.applied_faults = []
         self.ambushes = []  # [event, action, delay, duration] armed
@@ -531,7 +539,7 @@ class World:
             if not self._may_lose(name):
                 return None
             node.lose()
-            self.lost = name
+            self.lost.add(name)
             self.at(end, node.start)
             return f"lose {name} for good"
         if kind == "pause":
@@ -557,8 +565,17 @@ class World:
         return None
 
     def _may_lose(self, name):
-        """Only one node's data is lost at a time: every partition must keep an ISR member
-        (other than this node) that holds its replica."""
+        """Only one node's data is lost at a time (the promise): not while the replacement of
+        an earlier loss has not yet rejoined the ISR of every partition it replicates, and
+        only if every partition keeps an ISR member other than this node that holds its
+        replica."""
+        for n in list(self.lost):
+            back = self.nodes[n].up and all(n in r.isr for r in map(self.etcd.record, self.names)
+                                            if r is not None and n in r.replicas)
+            if back:
+                self.lost.discard(n)
+        if self.lost - {name}:
+            return False
         for p in self.names:
             rec = self.etcd.record(p)
             if rec is None:
@@ -650,6 +667,9 @@ def main(argv=None):
             w = run_seed(seed, params, trace=a.trace)
             events += w.events
             acks += len(w.oracle.acks)
+            if a.seed is not None:
+                print(f"seed {seed}: {w.events} events, {len(w.oracle.acks)} acknowledged, "
+                      f"{sum(1 for f in w.applied_faults if f[4])} faults, {w.counts.get('leads', 0)} leaderships")
         except Violation as e:
             failed += 1
             print(e, file=sys.stderr)

@@ -536,7 +536,6 @@ class SimNode:
     def _d_InstallSnapshot(self, p, d):
         buf = self.snapshots_in.pop(p, b"[]")
         rep = self.disk[p]
-        self.world.oracle.truncating(self, p, rep, min(rep.end, d.log_start))
         self.world.trace(self, "installs snapshot", partition=p, log_start=d.log_start, applied=d.applied_through)
         rep.state = {(pub, pid): (msg, off) for pub, pid, msg, off in json.loads(bytes(buf))}
         rep.log_start = rep.durable = d.log_start

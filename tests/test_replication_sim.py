@@ -11,6 +11,9 @@ method, or one rule) and checks that one of the same seeds catches it.
 """
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +41,14 @@ def test_a_seed_replays_exactly():
     assert a.applied_faults == b.applied_faults
     c = S.run_seed(12)
     assert (c.events, c.applied_faults) != (a.events, a.applied_faults)
+    # As a user replays it: another process, another string hash seed.
+    runs = [subprocess.run([sys.executable, str(Path(__file__).with_name("replication_sim.py")), "--seed", "11"],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONHASHSEED": h})
+            for h in ("1", "2")]
+    lines = [r.stdout.splitlines()[0] for r in runs]
+    faults = sum(1 for f in a.applied_faults if f[4])
+    assert lines[0] == lines[1] == (f"seed 11: {a.events} events, {len(a.oracle.acks)} acknowledged, "
+                                    f"{faults} faults, {a.counts['leads']} leaderships")
 
 
 def test_runs_exercise_what_they_claim():

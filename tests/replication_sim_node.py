@@ -15,6 +15,7 @@ together), a crash keeps or loses whole batches (the store's recovery drops a to
 its checksum), and DATA carries whole batches, as the real leader sends its batch bytes.
 """
 
+import itertools
 import json
 
 from wrenmq.cluster import replication_control as RC
@@ -104,6 +105,7 @@ class SimNode:
         self.followers = {}
         self.txns = {}  # partition -> [Txn, base revision, time sent, purpose]
         self.snapshots_in = {}
+        self.fetch_seqs = itertools.count(1)  # one counter for all the followers of this process
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -336,7 +338,8 @@ class SimNode:
             if f is None:
                 f = self.followers[p] = w.core.Follower(
                     p, self.name, self.incarnation, self.epochs[p], log_start=rep.log_start, log_end=rep.end,
-                    durable_end=rep.durable, hw=rep.applied, fetch_timeout_ms=w.p.fetch_timeout)
+                    durable_end=rep.durable, hw=rep.applied, fetch_timeout_ms=w.p.fetch_timeout,
+                    seqs=self.fetch_seqs)
             self.do(p, f.leader_changed(rec.leader, rec.epoch, now))
             if rec.leader is None or rec.leader not in self.live:
                 self._txn(p, "elect", w.core.election(PREFIX, p, rec, mod, self.name, self.incarnation,

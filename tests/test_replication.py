@@ -5,6 +5,7 @@ ISR's shrink and expansion, fencing). The whole machinery under faults is exerci
 the simulator (test_replication_sim.py).
 """
 
+import itertools
 import struct
 
 import pytest
@@ -378,6 +379,22 @@ def test_divergence_is_checked_again_after_every_epoch_change():
     old_seq = F.Data("P", 2, 1, first.seq, 3, [F.Batch(3, 1, 2, b"xx")])
     assert f.on_data("L", old_seq, now=2) == []  # not the fetch in flight
     assert f.log_end == 3
+
+
+def test_an_answer_to_a_replaced_followers_fetch_is_not_taken():
+    # The node led the partition for a while and follows it again, with a new follower
+    # object: the numbers come from the process's one counter, so the new follower's
+    # first fetch is not mistaken for the old one's.
+    seqs = itertools.count(1)
+    old = PartitionFollower("P", "F", 1, history_of([0]), log_start=0, log_end=1, durable_end=1, hw=0,
+                            fetch_timeout_ms=500, seqs=seqs)
+    stale = fetch_of(old.leader_changed("L", 1, now=0))
+    new = PartitionFollower("P", "F", 1, history_of([0, 0, 0]), log_start=0, log_end=3, durable_end=3, hw=0,
+                            fetch_timeout_ms=500, seqs=seqs)
+    req = fetch_of(new.leader_changed("L", 3, now=1))
+    assert req.seq != stale.seq
+    assert new.on_data("L", F.Data("P", 3, 1, stale.seq, 0, [F.Batch(1, 1, 1, b"x")]), now=2) == []
+    assert new.log_end == 3
 
 
 def test_a_duplicated_diverged_does_not_truncate_twice():

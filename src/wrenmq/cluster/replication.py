@@ -34,6 +34,7 @@ Offsets: a log holds records [log_start, log_end); "durable end" is the end of w
 fsynced; the HW is an end too (records below it are committed).
 """
 
+import itertools
 from dataclasses import dataclass
 
 from . import replication_frames as frames
@@ -473,12 +474,16 @@ class PartitionFollower:
     It has one FETCH outstanding at a time and sends the next only once its log is
     durable up to the fetch offset (the offset is the acknowledgement the leader counts).
     Only the answer to the outstanding fetch is taken (same `incarnation` and `seq`);
-    anything else is a duplicate or arrived late and is dropped. `hw` is the highest
+    anything else is a duplicate or arrived late and is dropped. So a sequence number
+    must not come twice in one incarnation, even from a follower object that replaced
+    this one (the node led the partition for a while, then followed again): `seqs` is
+    an iterator of numbers shared by every follower of the node's process
+    (`itertools.count(1)`); without it each follower counts on its own. `hw` is the highest
     high watermark known and held locally (never above the durable end): state is
     applied up to it."""
 
     def __init__(self, partition, node, incarnation, epochs, *, log_start, log_end, durable_end, hw,
-                 fetch_timeout_ms):
+                 fetch_timeout_ms, seqs=None):
         self.partition = partition
         self.node = node
         self.incarnation = incarnation
@@ -491,7 +496,7 @@ class PartitionFollower:
         self.fetch_timeout_ms = fetch_timeout_ms
         self.leader = None
         self.epoch = NO_EPOCH
-        self._seq = 0
+        self._seqs = itertools.count(1) if seqs is None else seqs
         self._waiting = None  # (seq, fetch offset, time sent) of the fetch in flight
         self._snapshot = None  # [seq, log start, applied through, total, received, last time]
 
@@ -674,7 +679,7 @@ class PartitionFollower:
         if (self.leader is None or self.leader == self.node or self._waiting is not None
                 or self._snapshot is not None or self.durable_end < self.log_end):
             return []
-        self._seq += 1
-        self._waiting = (self._seq, self.log_end, now)
-        return [Send(self.leader, frames.Fetch(self.partition, self.epoch, self.incarnation, self._seq, self.log_end,
+        seq = next(self._seqs)
+        self._waiting = (seq, self.log_end, now)
+        return [Send(self.leader, frames.Fetch(self.partition, self.epoch, self.incarnation, seq, self.log_end,
                                         self.last_fetched_epoch))]

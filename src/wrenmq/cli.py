@@ -13,12 +13,16 @@ from .config import LOG_LEVELS, ConfigError, ListenerConfig, load
 log = logging.getLogger("wrenmq")
 
 
-def _setup_logging(level):
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _setup_logging(cfg):
+    """[logging]: stderr or a file (rotated, reopened on SIGHUP), text or JSON lines
+    (logfiles.py); returns the handler, None (after saying why) if the file cannot be opened."""
+    from .logfiles import setup_logging
+    try:
+        return setup_logging(cfg.logging)
+    except OSError as e:
+        print(f"wrenmq: {cfg.source}: logging.file: cannot open {cfg.logging.file}: {e.strerror or e}",
+              file=sys.stderr)
+        return None
 
 
 def _install_uvloop():
@@ -47,20 +51,22 @@ def _serve(args):
         cfg.logging.level = args.log_level
     if args.data_dir is not None:
         cfg.storage.data_dir = args.data_dir
-    _setup_logging(cfg.logging.level)
+    log_handler = _setup_logging(cfg)
+    if log_handler is None:
+        return 2
     uv = _install_uvloop()
     log.info("wrenmq %s starting (config: %s, event loop: %s)", __version__, cfg.source,
              "uvloop" if uv else "asyncio")
-    return asyncio.run(_run(cfg))
+    return asyncio.run(_run(cfg, log_handler))
 
 
-async def _run(cfg):
-    from .bridge import bridge_extensions
-    from .broker.broker import Broker
+async def _run(cfg, log_handler=None):
+    from .assemble import build_broker
+    from .broker.hooks import HookError
 
     try:
-        broker = Broker(cfg, extensions=bridge_extensions(cfg))
-    except ConfigError as e:  # e.g. a password or ACL file that cannot be used
+        broker = build_broker(cfg)
+    except (ConfigError, HookError) as e:  # e.g. a password or ACL file that cannot be used
         log.error("cannot start: %s", e)
         return 2
     from .admin import install as install_admin
@@ -72,7 +78,13 @@ async def _run(cfg):
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if hasattr(signal, "SIGHUP"):
-        loop.add_signal_handler(signal.SIGHUP, broker.hooks.reload)
+        from .logfiles import reopen
+
+        def reload():
+            if log_handler is not None:
+                reopen(log_handler)  # first: what the reload logs goes to the new file
+            broker.hooks.reload()
+        loop.add_signal_handler(signal.SIGHUP, reload)
     from .auth.commands import remove_pid_file, write_pid_file
     from .cluster import ClusterError
     # The pid file before the listeners open, for the same reason: whoever sees the port
@@ -86,7 +98,7 @@ async def _run(cfg):
             return 1
     try:
         await broker.start()
-    except (OSError, ClusterError) as e:
+    except (OSError, ClusterError, HookError) as e:
         log.error("cannot start: %s", e)
         if pid_file:
             remove_pid_file(pid_file)
@@ -103,13 +115,16 @@ async def _run(cfg):
 
 
 def _config_check(args):
+    from .broker.hooks import HookError
     try:
         cfg = load(args.file)
         from .auth.hook import load_files
         load_files(cfg.auth.password_file, cfg.auth.acl_file)
+        from .assemble import check_hooks
+        check_hooks(cfg)
         from .bridge import bridge_extensions
         bridge_extensions(cfg)  # (loads the bridges' TLS files)
-    except ConfigError as e:
+    except (ConfigError, HookError) as e:
         print(f"wrenmq: {e}", file=sys.stderr)
         return 2
     print(f"{args.file}: OK ({len(cfg.listener)} listener(s)" + (f", {len(cfg.bridge)} bridge(s))" if cfg.bridge else ")"))

@@ -77,6 +77,11 @@ class ListenerConfig:
                           "(401), \"read\" (GET only) or \"write\" (everything). Other than "
                           "\"none\" only on a listener bound to a loopback address.",
                           choices=("none", "read", "write"))
+    proxy_protocol: bool = _key(False, "mqtt, ws: every connection starts with a PROXY protocol v1 or v2 "
+                                "header (HAProxy, AWS NLB, nginx behind a load balancer); the client's "
+                                "address it gives is the one logs, hooks and the limits see. A connection "
+                                "without one, or with a malformed one, is closed. Only for listeners that "
+                                "the proxy alone can reach.")
 
     @property
     def label(self):
@@ -197,6 +202,46 @@ class LimitsSection:
 
 
 @dataclass
+class AuthHttpSection:
+    url: str = _key("", "Ask this HTTP service about logins the password file does not decide, with "
+                    "EMQX's HTTP authentication contract (docs/SECURITY.md); empty = off. Needs "
+                    "`pip install 'wrenmq[http]'`.")
+    timeout: float = _key(5.0, "Seconds an answer may take; later counts as the service being down.", 0.05, 60)
+    on_error: str = _key("deny", "When the service is down, answers late or with something else than "
+                         "200/204: \"deny\" refuses the login (0x86/0x87 as for a wrong password), "
+                         "\"ignore\" asks the next source (custom hooks, then the anonymous policy).",
+                         choices=("deny", "ignore"))
+    cache_seconds: float = _key(60.0, "How long an answer (allow, deny, ignore) is reused for the same "
+                                "client id, user name, password, address and listener; 0 = no cache.", 0, 86400)
+    cache_size: int = _key(100000, "Answers kept at most (the oldest go first).", 1, 10_000_000)
+    headers: dict = _key({}, "Extra HTTP headers sent with each request ([auth.http.headers] table, "
+                         "e.g. an Authorization token for the service).")
+
+
+@dataclass
+class AuthJwtSection:
+    secret: str = _key("", "Shared secret of HS256/HS384/HS512 tokens. One of secret, public_key and "
+                       "jwks_url turns JWT logins on: a password that is a JWT is verified. Needs "
+                       "`pip install 'wrenmq[jwt]'` (and 'wrenmq[http]' for jwks_url).")
+    public_key: str = _key("", "PEM file of the public key of RS256/ES256 (RS*, PS*, ES*, EdDSA) tokens.")
+    jwks_url: str = _key("", "URL of a JSON Web Key Set (an identity provider's jwks_uri): tokens are "
+                         "verified by the key their `kid` names; the set is fetched at start and again "
+                         "every jwks_refresh seconds, or sooner for an unknown kid.")
+    jwks_refresh: float = _key(300.0, "Seconds between fetches of jwks_url.", 1, 86400)
+    algorithms: list = _key([], "Algorithms accepted; empty = those of the key given (HS* for secret, "
+                            "RS*/PS*/ES*/EdDSA for public_key and jwks_url).")
+    username_claim: str = _key("", "Claim whose value becomes the client's user name (what the ACL file, "
+                               "logs and hooks see), e.g. \"sub\"; empty = the CONNECT's user name.")
+    acl_claim: str = _key("acl", "Claim with the client's publish/subscribe rules, in EMQX's formats "
+                          "(docs/SECURITY.md); empty = none read.")
+    audience: str = _key("", "Required `aud` claim; empty = not checked.")
+    issuer: str = _key("", "Required `iss` claim; empty = not checked.")
+    require_exp: bool = _key(True, "Refuse tokens without an `exp` (expiry) claim. The connection of a "
+                             "client whose token expires is closed then (5.0: DISCONNECT 0x87).")
+    leeway: float = _key(0.0, "Seconds of clock skew allowed when checking exp and nbf.", 0, 3600)
+
+
+@dataclass
 class AuthSection:
     # None = the key is not set (TOML has no null): decided per listener.
     allow_anonymous: bool = _key(None, "Accept clients that send no user name. Not set (shown as "
@@ -209,6 +254,8 @@ class AuthSection:
     acl_file: str = _key("", "Mosquitto-format ACL file (user/topic/pattern); empty = no ACL.")
     failed_login_delay: float = _key(1.0, "Seconds before a refused login (wrong password, unknown "
                                      "user) gets its CONNACK; other clients are not held.", 0, 60)
+    http: AuthHttpSection = field(default_factory=AuthHttpSection)
+    jwt: AuthJwtSection = field(default_factory=AuthJwtSection)
 
 
 @dataclass
@@ -306,6 +353,50 @@ class SysSection:
 @dataclass
 class LoggingSection:
     level: str = _key("info", "Log level.", choices=LOG_LEVELS)
+    file: str = _key("", "Write the log to this file instead of stderr (appended to). SIGHUP reopens it, "
+                     "so logrotate's `postrotate` can send one (or use max_bytes).")
+    max_bytes: int = _key(0, "Rotate the file when a line would take it past this size: FILE becomes "
+                          "FILE.1, FILE.1 FILE.2, ... up to backup_count; 0 = never.", 0)
+    backup_count: int = _key(5, "Rotated files kept (with max_bytes).", 0, 1000)
+    format: str = _key("text", "\"text\": one line per event; \"json\": one JSON object per line "
+                       "(ts, level, logger, msg, and the event's fields such as client_id, address, "
+                       "event).", choices=("text", "json"))
+
+
+@dataclass
+class HookConfig:
+    module: str = _key("", "The hook class, as \"package.module:ClassName\" (a subclass of "
+                       "wrenmq.broker.hooks.Hook). Required.")
+    path: str = _key("", "A directory put first on the import path for it (relative paths: from the "
+                     "config file's directory); empty = the usual import path.")
+    options: dict = _key({}, "[hook.options]: a table passed to the class as keyword arguments.")
+
+
+WEBHOOK_EVENTS = ("client.connected", "client.disconnected", "session.subscribed",
+                  "session.unsubscribed", "message.publish", "message.dropped")
+
+
+@dataclass
+class WebhookConfig:
+    url: str = _key("", "Where the events are POSTed (http:// or https://), as a JSON array per "
+                    "request. Required. Needs `pip install 'wrenmq[http]'`.")
+    name: str = _key("", "Name in $SYS, the metrics and logs; defaults to webhook<N> (its place in the file).")
+    events: list = _key(["client.connected", "client.disconnected"], "Events sent, of: "
+                        + ", ".join(WEBHOOK_EVENTS) + ".")
+    topics: list = _key(["#"], "MQTT filters: message.publish and message.dropped are sent for "
+                        "matching topics only ($SYS never).")
+    payload: str = _key("base64", "How message payloads are put in the JSON: \"base64\", \"text\" "
+                        "(UTF-8, undecodable bytes replaced) or \"none\" (left out).",
+                        choices=("base64", "text", "none"))
+    headers: dict = _key({}, "Extra HTTP headers ([webhook.headers] table).")
+    batch_size: int = _key(100, "Events per request at most.", 1, 10000)
+    batch_delay: float = _key(0.2, "Seconds an event may wait for others to fill its batch.", 0, 60)
+    max_queued: int = _key(10000, "Events held while the receiver is slow or down; past it new events "
+                           "are dropped and counted.", 1, 10_000_000)
+    timeout: float = _key(5.0, "Seconds a request may take.", 0.05, 300)
+    retries: int = _key(5, "Times a failed batch is sent again (after retry_delay, doubled each time "
+                        "up to 30 s) before it is dropped and counted.", 0, 1000)
+    retry_delay: float = _key(0.5, "Seconds before the first retry.", 0.01, 600)
 
 
 @dataclass
@@ -368,6 +459,8 @@ class Config:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     bridge: list = _key([], "Bridges to other brokers ([[bridge]] tables, docs/BRIDGE.md).")
+    hook: list = _key([], "Hooks loaded by `wrenmq serve`, in order ([[hook]] tables).")
+    webhook: list = _key([], "HTTP endpoints told of client and message events ([[webhook]] tables).")
     source: str = field(default="<defaults>", metadata={"internal": True})
 
     def __post_init__(self):
@@ -375,8 +468,10 @@ class Config:
             self.listener = [ListenerConfig()]
 
 
-# Arrays of tables: [[listener]] and [[bridge]] at the top, [[bridge.topic]] in a bridge.
-_LIST_TYPES = {"listener": ListenerConfig, "bridge": BridgeConfig}
+# Arrays of tables: [[listener]], [[bridge]], [[hook]], [[webhook]] at the top,
+# [[bridge.topic]] in a bridge.
+_LIST_TYPES = {"listener": ListenerConfig, "bridge": BridgeConfig, "hook": HookConfig,
+               "webhook": WebhookConfig}
 _NESTED_LIST_TYPES = {(BridgeConfig, "topic"): BridgeTopicConfig}
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
@@ -429,8 +524,12 @@ def _build(cls, data, src, prefix):
             kwargs[key] = [_build(table_cls, v, src, f"{path}[{i}].") for i, v in enumerate(value)]
         elif dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
             if not isinstance(value, dict):
-                raise ConfigError(f"{src}: {path}: expected a table ([{key}]), got {_describe(value)}")
-            kwargs[key] = _build(f.default_factory, value, src, f"{key}.")
+                raise ConfigError(f"{src}: {path}: expected a table ([{path}]), got {_describe(value)}")
+            kwargs[key] = _build(f.default_factory, value, src, f"{path}.")
+        elif f.type is dict:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{src}: {path}: expected a table, got {_describe(value)}")
+            kwargs[key] = dict(value)
         elif get_origin(f.type) is list or f.type is list:
             if f.metadata.get("one_or_many") and isinstance(value, str):
                 value = [value]
@@ -679,6 +778,65 @@ def _validate_bridges(cfg):
                              "own messages back; use protocol = \"5\", or prefixes that keep them apart")
 
 
+def _check_url(src, key, url):
+    if not url.startswith(("http://", "https://")) or len(url) < 10:
+        raise ConfigError(f"{src}: {key}: expected an http:// or https:// URL, got {url!r}")
+
+
+def _check_headers(src, key, headers):
+    for name, value in headers.items():
+        if not isinstance(value, str):
+            raise ConfigError(f"{src}: {key}.{name}: expected a string, got {_describe(value)}")
+
+
+def _validate_extensions(cfg):
+    """PROXY protocol, [[hook]], [auth.http], [auth.jwt] and [[webhook]]: what types alone
+    cannot say."""
+    src = cfg.source
+    for i, lst in enumerate(cfg.listener):
+        if lst.proxy_protocol and lst.type not in ("mqtt", "ws"):
+            raise ConfigError(f"{src}: listener[{i}].proxy_protocol: only for type = \"mqtt\" or \"ws\"")
+    for i, h in enumerate(cfg.hook):
+        mod, sep, cls = h.module.partition(":")
+        if not sep or not mod or not cls.isidentifier() or \
+                not all(part.isidentifier() for part in mod.split(".")):
+            raise ConfigError(f"{src}: hook[{i}].module: expected \"package.module:ClassName\", "
+                              f"got {h.module!r}")
+    http = cfg.auth.http
+    if http.url:
+        _check_url(src, "auth.http.url", http.url)
+    _check_headers(src, "auth.http.headers", http.headers)
+    jwt = cfg.auth.jwt
+    keys = [k for k in ("secret", "public_key", "jwks_url") if getattr(jwt, k)]
+    if len(keys) > 1:
+        raise ConfigError(f"{src}: auth.jwt.{keys[1]}: only one of secret, public_key and jwks_url")
+    if jwt.public_key and not os.path.isfile(jwt.public_key):
+        raise ConfigError(f"{src}: auth.jwt.public_key: file not found: {jwt.public_key}")
+    if jwt.jwks_url:
+        _check_url(src, "auth.jwt.jwks_url", jwt.jwks_url)
+    names = set()
+    from .broker.topics import TopicError, validate_topic_filter
+    for i, w in enumerate(cfg.webhook):
+        where = f"webhook[{i}]"
+        if not w.url:
+            raise ConfigError(f"{src}: {where}.url: required (where the events are POSTed)")
+        _check_url(src, f"{where}.url", w.url)
+        _check_headers(src, f"{where}.headers", w.headers)
+        if not w.name:
+            w.name = f"webhook{i}"
+        if w.name in names or not w.name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"{src}: {where}.name: letters, digits, - and _, unique; got {w.name!r}")
+        names.add(w.name)
+        for e in w.events:
+            if e not in WEBHOOK_EVENTS:
+                raise ConfigError(f"{src}: {where}.events: {e!r} is not one of {', '.join(WEBHOOK_EVENTS)}")
+        for f in w.topics:
+            try:
+                validate_topic_filter(f)
+            except TopicError as e:
+                raise ConfigError(f"{src}: {where}.topics: {f!r} is not a valid topic filter ({e})") from None
+
+
 def cluster_node_name(cfg):
     """[cluster] node, or its default: <host name>-<first listener's port>."""
     if cfg.cluster.node:
@@ -705,6 +863,7 @@ def validate(cfg):
         seen.add(key)
     _validate_cluster(src, cfg.cluster)
     _validate_bridges(cfg)
+    _validate_extensions(cfg)
     from .broker.topics import TopicError, validate_topic_filter
     for f in cfg.log.topics:
         try:
@@ -744,14 +903,29 @@ def load(path=None, text=None):
 
 def iter_keys():
     """Yield (section, key, type name, default, doc) for every setting (docs/CONFIG.md)."""
-    sections = [("listener", ListenerConfig)] + [
-        (f.name, f.default_factory) for f in dataclasses.fields(Config)
-        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)] + [
-        ("bridge", BridgeConfig), ("bridge.topic", BridgeTopicConfig)]
-    for name, cls in sections:
+    def walk(name, cls):
+        nested = []
         for f in dataclasses.fields(cls):
+            if f.metadata.get("internal"):
+                continue
+            if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+                nested.append((f"{name}.{f.name}" if name else f.name, f.default_factory))
+                continue
+            if cls is Config:
+                continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             yield name, f.name, getattr(f.type, "__name__", str(f.type)), default, f.metadata.get("doc", "")
+        for sub, subcls in nested:
+            yield from walk(sub, subcls)
+
+    yield from walk("listener", ListenerConfig)
+    yield from walk("", Config)
+    for name, cls in _LIST_TYPES.items():
+        if name != "listener":
+            yield from walk(name, cls)
+            for (parent, key), sub in _NESTED_LIST_TYPES.items():
+                if parent is cls:
+                    yield from walk(f"{name}.{key}", sub)
 
 
 _INTRO = """# Configuration
@@ -785,6 +959,8 @@ def _fmt_default(v):
         return f'"{v}"'
     if isinstance(v, list):
         return "[" + ", ".join(_fmt_default(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_fmt_default(x)}" for k, x in v.items()) + "}"
     return str(v)
 
 
@@ -794,7 +970,9 @@ def config_markdown():
     for section, key, typ, default, doc in iter_keys():
         if section != current:
             current = section
-            header = f"[[{section}]]" if section in _LIST_TYPES or "." in section else f"[{section}]"
+            tables = section in _LIST_TYPES or any(section == f"{name}.{key}" for name, cls in _LIST_TYPES.items()
+                                                    for (parent, key) in _NESTED_LIST_TYPES if parent is cls)
+            header = f"[[{section}]]" if tables else f"[{section}]"
             out.append(f"\n## `{header}`\n\n| key | type | default | meaning |\n|---|---|---|---|")
         out.append(f"| `{key}` | {typ} | `{_fmt_default(default)}` | {doc} |")
     out.append(_MOSQUITTO_INTRO)

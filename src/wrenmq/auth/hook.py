@@ -200,7 +200,9 @@ class FileAuth(Hook):
 
     async def _refuse_after_delay(self, started, client, why):
         self.logins_failed += 1
-        log.warning("login failed for user %r from %s: %s", client.username, client.address, why)
+        log.warning("login failed for user %r from %s: %s", client.username, client.address, why,
+                    extra={"event": "auth.failed", "client_id": client.client_id, "username": client.username,
+                           "address": client.address, "listener": client.listener, "reason": why})
         wait = self.delay - (time.monotonic() - started)
         if wait > 0:
             await asyncio.sleep(wait)

@@ -119,6 +119,14 @@ class Broker:
                 self._close_store_of_failed_start()
                 raise
             self.cluster = cluster
+        try:
+            await self.hooks.start(self)  # before the listeners: hooks see every client
+        except BaseException:
+            if self.cluster is not None:
+                await self.cluster.stop()
+            if self.store is not None:
+                self.store.close()
+            raise
         # One Listener per [[listener]] (TCP, TLS, WebSocket, Unix socket): see listeners.py.
         try:
             for i, lst in enumerate(self.config.listener):
@@ -136,6 +144,7 @@ class Broker:
             for listener in self._servers:  # do not leave the ones already open listening
                 listener.close()
             self._servers.clear()
+            await self.hooks.stop()
             if self.cluster is not None:
                 await self.cluster.stop()
             self._close_store_of_failed_start()
@@ -229,6 +238,7 @@ class Broker:
             await asyncio.sleep(0.02)
         for conn in list(self.connections):
             conn.abort()
+        await self.hooks.stop()
         if self.store is not None:
             if self.failed is None:
                 self.router.persist.checkpoint(everything=True)
@@ -505,7 +515,9 @@ class Broker:
         n = self.router.stats.refuse("refused_connections")
         if n:
             log.warning("refusing connections (%s): %d so far, latest from %s on %s", why,
-                        n, conn.address, conn.listener_name)
+                        n, conn.address, conn.listener_name,
+                        extra={"event": "connection.refused", "address": conn.address,
+                               "listener": conn.listener_name, "reason": why})
 
     def spawn(self, coro):
         """Run a coroutine for one connection (authentication); kept so it can be cancelled."""
@@ -551,6 +563,7 @@ class Broker:
         values = self.cluster.sys_values() if self.cluster is not None else {}
         for ext in self.extensions:
             values.update(ext.sys_values())
+        values.update(self.hooks.sys_values())
         store = self.store
         if store is None:
             return values

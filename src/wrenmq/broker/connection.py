@@ -313,7 +313,9 @@ class Connection(asyncio.Protocol):
             else:
                 why = otherwise
             if log.isEnabledFor(logging.INFO):
-                log.info("client %s disconnected from %s: %s", session.client_id, self.address, why)
+                log.info("client %s disconnected from %s: %s", session.client_id, self.address, why,
+                         extra={"event": "client.disconnected", "client_id": session.client_id,
+                                "address": self.address, "listener": self.listener_name, "reason": why})
             self.router.connection_lost(session, True, why)
         self._out.clear()
 
@@ -701,7 +703,10 @@ class Connection(asyncio.Protocol):
             rc = C.V5_TO_V311_CONNACK.get(reason)
             if rc is not None:
                 self.send(encode(Connack(False, rc), version))
-        log.info("refused CONNECT from %s: %s", self.address, C.REASON_NAMES.get(reason, hex(reason)))
+        why = C.REASON_NAMES.get(reason, hex(reason))
+        log.info("refused CONNECT from %s: %s", self.address, why,
+                 extra={"event": "connect.refused", "address": self.address,
+                        "listener": self.listener_name, "reason": why})
         self.close()
 
     # --- timers ------------------------------------------------------------

@@ -12,6 +12,11 @@ False (deny) or None (no opinion: ask the next hook). When no hook has an
 opinion the broker's configured default applies. `authenticate` and
 `enhanced_auth` may be coroutines; everything else is called on the hot path
 and must be plain functions.
+
+A hook that needs the event loop (a task, an HTTP client) does it in `start`, which
+the broker awaits before its listeners open; one that raises there stops the start.
+`stop` is awaited when the broker stops. `sys_values` adds figures to `$SYS` (and to
+the metrics listener's, for the topics metrics.py names).
 """
 
 import inspect
@@ -24,6 +29,15 @@ _PLAIN_ANSWERS = frozenset({bool, int, type(None)})
 def awaitable(r):
     """`inspect.isawaitable` without its ABC check for the plain answers hooks give."""
     return r.__class__ not in _PLAIN_ANSWERS and inspect.isawaitable(r)
+
+
+class HookError(Exception):
+    """A hook could not be loaded or started; the message names it."""
+
+
+def hook_name(hook):
+    cls = type(hook)
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 class ClientInfo:
@@ -82,6 +96,26 @@ class Hook:
 
     def on_disconnect(self, client, reason):
         pass
+
+    def on_subscribe(self, client, topic_filter, qos):
+        """A subscription was granted (`qos`: the QoS granted; the SUBACK is on its way)."""
+
+    def on_unsubscribe(self, client, topic_filter):
+        """A subscription the client held was removed by its UNSUBSCRIBE."""
+
+    def on_message_dropped(self, client, message, why):
+        """A message for `client` was not delivered: "congested" (QoS 0 to a client not
+        reading), "queue_full", "too_large" (over the client's maximum packet size)."""
+
+    async def start(self, broker):
+        """The broker is starting (its loop runs, its listeners are not open yet)."""
+
+    async def stop(self):
+        """The broker is stopping: end tasks, close clients."""
+
+    def sys_values(self):
+        """Figures for `$SYS`: {topic: value}."""
+        return {}
 
     def on_session_expired(self, client_id):
         pass
@@ -159,6 +193,9 @@ class HookChain:
                         return None
                 return message
             self.on_publish = on_publish
+        self.on_subscribe = self._fanout(chain("on_subscribe"))
+        self.on_unsubscribe = self._fanout(chain("on_unsubscribe"))
+        self.on_message_dropped = self._fanout(chain("on_message_dropped"))
         self._on_connect = chain("on_connect")
         self._on_disconnect = chain("on_disconnect")
         self._on_expired = chain("on_session_expired")
@@ -178,6 +215,44 @@ class HookChain:
                     return r
             return None
         return decide
+
+    @staticmethod
+    def _fanout(funcs):
+        """One callable for notifications every hook gets; None when no hook wants them."""
+        if not funcs:
+            return None
+        if len(funcs) == 1:
+            return funcs[0]
+
+        def notify(*args):
+            for f in funcs:
+                f(*args)
+        return notify
+
+    async def start(self, broker):
+        for h in list(self.hooks):
+            if _overrides(h, "start"):
+                try:
+                    await h.start(broker)
+                except HookError:
+                    raise
+                except Exception as e:
+                    raise HookError(f"hook {hook_name(h)} failed to start: {e!r}") from e
+
+    async def stop(self):
+        for h in reversed(self.hooks):
+            if _overrides(h, "stop"):
+                try:
+                    await h.stop()
+                except Exception:
+                    logging.getLogger("wrenmq.hooks").exception("stopping %s failed", type(h).__name__)
+
+    def sys_values(self):
+        values = {}
+        for h in self.hooks:
+            if _overrides(h, "sys_values"):
+                values.update(h.sys_values())
+        return values
 
     def authenticate(self, client, connect):
         """First opinion of the chain (sync hooks only); None if nobody answered."""

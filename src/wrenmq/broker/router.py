@@ -375,7 +375,9 @@ class Router:
         if log.isEnabledFor(logging.INFO):
             log.info("client %s connected from %s (v%s, clean=%s, keepalive=%s, session present=%s)",
                      cid, conn.address, {3: "3.1", 4: "3.1.1", 5: "5.0"}[pkt.version],
-                     int(pkt.clean_start), keepalive, int(present))
+                     int(pkt.clean_start), keepalive, int(present),
+                     extra={"event": "client.connected", "client_id": cid, "address": conn.address,
+                            "listener": conn.listener_name, "username": username})
         if present:
             self._resume(session)
         self.hooks.on_connect(session)
@@ -848,6 +850,8 @@ class Router:
             session.subscriptions[t.filter] = sub
             self._add_subscription(session, sub)
             codes.append(qos)
+            if hooks.on_subscribe is not None:
+                hooks.on_subscribe(session, t.filter, qos)
             if group is None and (t.retain_handling == 0 or (t.retain_handling == 1 and not existed)):
                 retained.append(sub)
         self._matches.clear()
@@ -915,6 +919,8 @@ class Router:
                 if session.stored:
                     self.persist.unsubscribed(session, f)
                 codes.append(0)
+                if self.hooks.on_unsubscribe is not None:
+                    self.hooks.on_unsubscribe(session, f)
         self._matches.clear()
         session.conn.send(encode(Unsuback(pkt.packet_id, codes if session.v5 else ()), session.version))
 
@@ -1200,6 +1206,8 @@ class Router:
             if conn.congested:
                 self.stats.pub_dropped += 1
                 session.dropped += 1
+                if hooks.on_message_dropped is not None:
+                    hooks.on_message_dropped(session, msg, "congested")
                 return
             if session.alias_out_max or session.max_packet_out or msg.expiry is not None or \
                     (sub_ids and session.v5):
@@ -1324,6 +1332,8 @@ class Router:
     def _dropped(self, session, out):
         session.dropped += 1
         self.stats.pub_dropped += 1
+        if self.hooks.on_message_dropped is not None:
+            self.hooks.on_message_dropped(session, out.msg, "queue_full")
         if out.group is not None and session.stored and out.msg.offset >= 0:
             self.persist.shared_done(session, out)
 
@@ -1481,6 +1491,8 @@ class Router:
         if session.max_packet_out and len(data) > session.max_packet_out:
             self.stats.pub_dropped += 1
             session.dropped += 1
+            if self.hooks.on_message_dropped is not None:
+                self.hooks.on_message_dropped(session, msg, "too_large")
             if alias is not None and not alias_only:
                 del session.alias_out[msg.topic]
             return False

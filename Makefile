@@ -36,7 +36,8 @@ TEST_DEBIAN_PKGS := \
 	java:openjdk-17-jre-headless \
 	chromium:chromium \
 	chromedriver:chromium-driver \
-	tmux:tmux
+	tmux:tmux \
+	haproxy:haproxy
 
 # npm packages the tests need, installed into $(NPM_PREFIX); their binaries are
 # put on PATH for pytest (mqtt = MQTT.js, for the WebSocket/TCP interop tests).

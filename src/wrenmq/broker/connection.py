@@ -111,7 +111,9 @@ class Connection(asyncio.Protocol):
         self.transport = transport
         broker = self.broker
         peer = transport.get_extra_info("peername")
-        if isinstance(peer, tuple) and len(peer) >= 2:
+        if self.address != "?":
+            pass  # given by the listener: a PROXY protocol header's, a Unix socket's path
+        elif isinstance(peer, tuple) and len(peer) >= 2:
             self.address = f"{peer[0]}:{peer[1]}"
         elif peer:
             self.address = str(peer)

@@ -44,6 +44,7 @@ import urllib.parse
 import weakref
 
 from ..mqtt import constants as C
+from ..net.proxied import ProxyReader
 from .connection import _HTTP_METHODS, _TLS_HANDSHAKE, Connection
 from .hooks import ClientInfo, Hook
 
@@ -499,7 +500,7 @@ class WebSocketTransport(asyncio.Transport):
     def get_extra_info(self, name, default=None):
         ws = self._ws
         if name == "peername":
-            return ws.remote_address
+            return getattr(ws, "proxied_peer", None) or ws.remote_address
         if name == "sockname":
             return ws.local_address
         if name == "websocket":
@@ -741,9 +742,44 @@ class Listener:
         """The protocol of a connection accepted on an MQTT (or MQTT/TLS) listener. One still
         in its TLS handshake counts against max_connections, as one waiting for its CONNECT
         does (Connection.connection_made refuses those past the limit)."""
-        if self.cfg.tls and self._at_connection_limit():
+        cfg = self.cfg
+        if (cfg.tls or cfg.proxy_protocol) and self._at_connection_limit():
             return _Refused(self.broker, self._conn_name, "max_connections reached")
-        return self._front(self._connection())
+        conn = self._connection()
+        front = self._front(conn)
+        if not cfg.proxy_protocol:
+            return front
+
+        def given(host, port):
+            conn.address = f"{host}:{port}"
+            if front is not conn:
+                front.peer = conn.address  # the TLS acceptor's log lines
+        return self._behind_proxy(front, given, count=not cfg.tls)
+
+    def _behind_proxy(self, front, given, count):
+        """`front` behind a ProxyReader ([[listener]] proxy_protocol): `given(host, port)`
+        gets the client's address from the header (unless the proxy gave none: its own
+        health checks). With `count`, the reader counts in the broker's handshakes until
+        it hands over (for protocols that do not count themselves from the accept)."""
+        broker = self.broker
+        on_done = None
+        if count:
+            broker.handshakes += 1
+
+            def on_done():
+                broker.handshakes -= 1
+
+        def on_header(header):
+            if header.source is not None:
+                given(*header.source)
+
+        reader = ProxyReader(front, broker.config.limits.connect_timeout, on_header,
+                             self._proxy_refused, on_done)
+        return reader
+
+    def _proxy_refused(self, reader, why):
+        reader.listener_name = self._conn_name
+        self.broker.refused(reader, why)
 
     def _at_connection_limit(self):
         broker = self.broker
@@ -815,6 +851,10 @@ class Listener:
             conn = WsConnection(*args, **kwargs)
             self.broker.handshakes += 1
             self._ws_opening.add(conn)
+            if cfg.proxy_protocol:
+                def given(host, port):
+                    conn.proxied_peer = (host, port)
+                return self._behind_proxy(self._front(conn), given, count=False)
             return self._front(conn)
 
         origins = frozenset(o.rstrip("/") for o in cfg.origins)

@@ -1,0 +1,1 @@
+"""Network framing below MQTT that is not MQTT: the PROXY protocol header (proxy.py)."""

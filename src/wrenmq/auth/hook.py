@@ -9,8 +9,12 @@ Authentication (CONNECT), in this order:
    certificate is the credential, as in Mosquitto;
 1. a user name found in the password file: the password is checked there (in a
    worker thread); right -> accepted, wrong or missing -> refused (0x86 / 3.1.1: 4);
-2. otherwise the `authenticate` of the hooks behind this one (custom auth) is
-   asked, in order; the first that answers decides;
+2. otherwise the `authenticate` of the hooks behind this one is asked, in
+   order; the first that answers decides. Right behind this hook come the login
+   sources of the config (`build_auth_sources`): `[auth.jwt]` (a password that is a
+   JWT: valid -> accepted, invalid -> refused; not a JWT -> no opinion), then
+   `[auth.http]` (the service's allow / deny / ignore), then the `[[hook]]`s and
+   the hooks of a program that embeds the broker;
 3. otherwise the policy: a client without a user name is accepted if anonymous
    access is allowed on its listener, else refused with 0x87 (3.1.1: 5); a user
    name the password file does not know is refused (0x86 / 4); with no password
@@ -27,7 +31,12 @@ password file is configured (as in Mosquitto: a password file means clients log
 in); without one they are accepted on listeners bound to a loopback address only
 and refused on every other listener.
 
-Authorization (only with an `acl_file`): PUBLISH and the will need WRITE on the
+Authorization, in the same order: the ACL file (below) can only refuse; then the
+rules a JWT or an HTTP answer gave the client (grants.py: allow ends the question,
+deny refuses, no matching rule passes it on); then the hooks; then the default,
+allowed.
+
+The ACL file (only with an `acl_file`): PUBLISH and the will need WRITE on the
 topic (the router asks when the will is published, not at CONNECT), every
 delivery (live, retained, queued) needs READ, SUBSCRIBE is checked as described
 in `acl.py`. The hook only ever refuses (returns False) or has no opinion
@@ -334,6 +343,28 @@ def _make_class(passwords, acl):
         return FileAuth
     name = "FileAuth" + ("Passwords" if passwords else "") + ("Acl" if acl else "")
     return type(name, (*bases, FileAuth), {})
+
+
+def build_auth_sources(config):
+    """The `[auth.jwt]` and `[auth.http]` hooks (in that order) that go right behind the
+    `[auth]` hook; AuthFileError if one cannot be set up (a missing library, key file)."""
+    sources = []
+    try:
+        jwt = config.auth.jwt
+        if jwt.secret or jwt.public_key or jwt.jwks_url:
+            from .jwt import JwtAuth
+            sources.append(JwtAuth(jwt))
+        if config.auth.http.url:
+            from .http import HttpAuth
+            from ..net.http_client import aiohttp_module
+            aiohttp_module("[auth.http]")
+            sources.append(HttpAuth(config.auth.http))
+        if config.auth.jwt.jwks_url:
+            from ..net.http_client import aiohttp_module
+            aiohttp_module("[auth.jwt] jwks_url")
+    except (RuntimeError, OSError) as e:
+        raise AuthFileError(str(e)) from None
+    return sources
 
 
 def build_auth_hook(config, chain=None):

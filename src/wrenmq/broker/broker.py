@@ -51,9 +51,9 @@ class Broker:
         self._log_told = 0  # the log's end they were last told of
         # The [auth] hook (password file, ACL, anonymous policy) goes first; it asks the
         # authenticate of the hooks behind it for users it does not know.
-        from ..auth.hook import build_auth_hook
+        from ..auth.hook import build_auth_hook, build_auth_sources
         self.auth = build_auth_hook(self.config)
-        self.hooks = HookChain([self.auth, *hooks])
+        self.hooks = HookChain([self.auth, *build_auth_sources(self.config), *hooks])
         self.auth.chain = self.hooks
         self.router = Router(self.config, self.hooks)
         self.auth.router = self.router

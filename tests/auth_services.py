@@ -136,7 +136,7 @@ class WebhookReceiver(_Server):
         self.posts = 0
         self.failed_posts = 0
         self.failing = False
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         super().__init__(_HookHandler)
 
     def of(self, action):

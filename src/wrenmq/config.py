@@ -393,6 +393,9 @@ class WebhookConfig:
     batch_delay: float = _key(0.2, "Seconds an event may wait for others to fill its batch.", 0, 60)
     max_queued: int = _key(10000, "Events held while the receiver is slow or down; past it new events "
                            "are dropped and counted.", 1, 10_000_000)
+    max_queued_bytes: int = _key(67108864, "Bytes of message payloads those events hold, at most (the "
+                                 "messages are shared with the broker, not copied); past it like "
+                                 "max_queued.", 1024)
     timeout: float = _key(5.0, "Seconds a request may take.", 0.05, 300)
     retries: int = _key(5, "Times a failed batch is sent again (after retry_delay, doubled each time "
                         "up to 30 s) before it is dropped and counted.", 0, 1000)

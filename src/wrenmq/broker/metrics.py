@@ -138,6 +138,25 @@ METRICS = (
      "Sessions sent to another node because their client reconnected there."),
     ("$SYS/broker/cluster/sessions/taken_over", "wrenmq_cluster_sessions_taken_over_total", "counter",
      "Sessions received from another node for a client that reconnected here."),
+    # [auth.http], [auth.jwt] and [[webhook]] (present when configured).
+    ("$SYS/broker/auth/http/requests", "wrenmq_auth_http_requests_total", "counter",
+     "Requests made to the [auth.http] service."),
+    ("$SYS/broker/auth/http/cache hits", "wrenmq_auth_http_cache_hits_total", "counter",
+     "Logins [auth.http] answered from its cache."),
+    ("$SYS/broker/auth/http/errors", "wrenmq_auth_http_errors_total", "counter",
+     "[auth.http] requests that failed (no connection, timeout, a status other than 200/204)."),
+    ("$SYS/broker/auth/jwt/refused", "wrenmq_auth_jwt_refused_total", "counter",
+     "JWT logins refused (signature, expiry, claims)."),
+    ("$SYS/broker/webhooks/sent", "wrenmq_webhook_events_sent_total", "counter",
+     "Webhook events the receivers took (all [[webhook]]s)."),
+    ("$SYS/broker/webhooks/dropped", "wrenmq_webhook_events_dropped_total", "counter",
+     "Webhook events dropped because an endpoint's queue was full (max_queued, max_queued_bytes)."),
+    ("$SYS/broker/webhooks/failed", "wrenmq_webhook_events_failed_total", "counter",
+     "Webhook events given up after their retries."),
+    ("$SYS/broker/webhooks/failed requests", "wrenmq_webhook_requests_failed_total", "counter",
+     "Webhook POSTs that failed (each retry counts)."),
+    ("$SYS/broker/webhooks/queued", "wrenmq_webhook_events_queued", "gauge",
+     "Webhook events waiting to be sent."),
 )
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -37,7 +37,8 @@ TEST_DEBIAN_PKGS := \
 	chromium:chromium \
 	chromedriver:chromium-driver \
 	tmux:tmux \
-	haproxy:haproxy
+	haproxy:haproxy \
+	systemd-analyze:systemd
 
 # npm packages the tests need, installed into $(NPM_PREFIX); their binaries are
 # put on PATH for pytest (mqtt = MQTT.js, for the WebSocket/TCP interop tests).

@@ -15,11 +15,15 @@ except ImportError:  # building without Cython: pure Python only
     ext_modules = []
 else:
     ext_modules = cythonize(
-        [Extension("wrenmq.mqtt.codec", ["src/wrenmq/mqtt/codec.py"], optional=True),
-         Extension("wrenmq.store._encode", ["src/wrenmq/store/_encode.py"], optional=True),
-         Extension("wrenmq.store._epoch", ["src/wrenmq/store/_epoch.py"], optional=True)],
+        [Extension("wrenmq.mqtt.codec", ["src/wrenmq/mqtt/codec.py"]),
+         Extension("wrenmq.store._encode", ["src/wrenmq/store/_encode.py"]),
+         Extension("wrenmq.store._epoch", ["src/wrenmq/store/_epoch.py"])],
         compiler_directives={"language_level": 3},
         quiet=True,
     )
+    # After cythonize, which makes new Extensions without it: a compiler that is missing
+    # or fails leaves the module to its Python source instead of failing the install.
+    for ext in ext_modules:
+        ext.optional = True
 
 setup(ext_modules=ext_modules)

@@ -4,13 +4,17 @@ setup.py compiles these modules with Cython where a C compiler is there; the Pyt
 file stays the one truth of what they do. The source is imported instead of the
 extension when `WRENMQ_PURE_PYTHON=1` (to compare, to debug, to run the tests both
 ways) and when the extension is older than its source: an edited module is never
-shadowed by a stale build (`make test`/`make run` rebuild it).
+shadowed by a stale build (`make test`/`make run` rebuild it). That check is for a
+working tree: in an installed package (site-packages: a wheel, `pip install .`) the
+files' times are the install's, in whatever order the installer wrote them, and nobody
+edits them, so the extension there is used as it is.
 """
 
 import importlib.machinery
 import importlib.util
 import os
 import sys
+import sysconfig
 import warnings
 
 COMPILED_MODULES = ("wrenmq.mqtt.codec", "wrenmq.store._encode", "wrenmq.store._epoch")
@@ -28,6 +32,8 @@ class _SourceWhenStale:
             if not os.path.exists(source):
                 continue
             if os.environ.get("WRENMQ_PURE_PYTHON") != "1":
+                if _installed(folder):
+                    return None  # the normal import: the extension if the install built one
                 built = [os.path.join(folder, base + suffix)
                          for suffix in importlib.machinery.EXTENSION_SUFFIXES]
                 built = [b for b in built if os.path.exists(b)]
@@ -39,6 +45,17 @@ class _SourceWhenStale:
                               "(reinstall to rebuild the extension)", stacklevel=2)
             return importlib.util.spec_from_file_location(fullname, source)
         return None
+
+
+def _installed(folder):
+    """Whether `folder` is in the interpreter's site-packages (an installed copy)."""
+    paths = sysconfig.get_paths()
+    folder = os.path.realpath(folder)
+    for key in ("purelib", "platlib"):
+        root = os.path.realpath(paths[key])
+        if folder == root or folder.startswith(root + os.sep):
+            return True
+    return False
 
 
 def install():

@@ -3,7 +3,7 @@ mosquitto_pub/mosquitto_sub, with its compiled modules; a build without a C comp
 a wheel that runs the Python source; packaging/ has a unit that `systemd-analyze verify`
 accepts and a default configuration that `wrenmq config check` accepts.
 
-The wheels are built once per run (module fixtures), from a copy of the files git knows
+The wheels are built once per run (one module fixture, both builds at once), from a copy of the files git knows
 (tracked and new, not ignored ones: no build/ left over, no .so from the editable install).
 """
 
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def _source_copy(dest, with_generated_c=False):
+    dest.mkdir(parents=True)
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
                            capture_output=True, check=True).stdout.split(b"\0")
     for name in filter(None, files):
@@ -38,38 +39,51 @@ def _source_copy(dest, with_generated_c=False):
     return dest
 
 
-def _build(tmp, env=None, with_generated_c=False):
+def _start_build(tmp, env=None, with_generated_c=False):
     src = _source_copy(tmp / "src", with_generated_c)
     out = tmp / "dist"
-    r = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(src)],
-                       capture_output=True, text=True, timeout=500, env={**os.environ, **(env or {})})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(src)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+    return proc, out
+
+
+def _finish_build(proc, out):
+    log, _ = proc.communicate(timeout=500)
+    assert proc.returncode == 0, log[-5000:]
     wheels = list(out.glob("wrenmq-*.whl"))
     assert len(wheels) == 1
     return wheels[0]
 
 
-def _venv(tmp, wheel):
-    venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    r = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(wheel)], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return venv
+class Installed:
+    """One fresh venv, and which of the two wheels is installed in it."""
+
+    def __init__(self, tmp, compiled, pure):
+        self.venv = tmp / "venv"
+        self.wheels = {"compiled": compiled, "pure": pure}
+        self.current = None
+        subprocess.run([sys.executable, "-m", "venv", str(self.venv)], check=True, timeout=120)
+
+    def use(self, which):
+        if self.current != which:
+            # The first install brings the dependencies; a switch replaces wrenmq alone.
+            extra = [] if self.current is None else ["--force-reinstall", "--no-deps"]
+            r = subprocess.run([str(self.venv / "bin" / "pip"), "install", "-q", *extra,
+                                str(self.wheels[which])], capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stderr[-3000:]
+            self.current = which
+        return self.venv, self.wheels[which]
 
 
 @pytest.fixture(scope="module")
-def compiled_venv(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("wheel")
-    wheel = _build(tmp)
-    return _venv(tmp, wheel), wheel
-
-
-@pytest.fixture(scope="module")
-def pure_venv(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pure-wheel")
-    wheel = _build(tmp, env={"CC": "false"}, with_generated_c=True)
-    return _venv(tmp, wheel), wheel
+def installed(tmp_path_factory):
+    """Both wheels, built at once: with the compiler, and with CC=false (Cython's C from the
+    editable install copied in, so that build goes straight to the failing compiler)."""
+    tmp = tmp_path_factory.mktemp("wheels")
+    compiled = _start_build(tmp / "compiled")
+    pure = _start_build(tmp / "pure", env={"CC": "false"}, with_generated_c=True)
+    return Installed(tmp, _finish_build(*compiled), _finish_build(*pure))
 
 
 def _compiled_files(venv):
@@ -105,8 +119,8 @@ def _serves_mqtt(venv, tmp):
     return err.decode()
 
 
-def test_the_wheel_installs_with_its_compiled_modules_and_serves(compiled_venv, tmp_path):
-    venv, wheel = compiled_venv
+def test_the_wheel_installs_with_its_compiled_modules_and_serves(installed, tmp_path):
+    venv, wheel = installed.use("compiled")
     assert "linux" in wheel.name  # a platform wheel: the extensions are in it
     codec, epoch, encoder = _compiled_files(venv)
     # -W error: no "older than its source" warning either (the install's file times).
@@ -115,8 +129,8 @@ def test_the_wheel_installs_with_its_compiled_modules_and_serves(compiled_venv, 
     assert "wrenmq" in log and "starting" in log
 
 
-def test_without_a_compiler_the_wheel_runs_the_python_source(pure_venv, tmp_path):
-    venv, wheel = pure_venv
+def test_without_a_compiler_the_wheel_runs_the_python_source(installed, tmp_path):
+    venv, wheel = installed.use("pure")
     import zipfile
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if n.endswith((".so", ".c"))]
@@ -125,8 +139,8 @@ def test_without_a_compiler_the_wheel_runs_the_python_source(pure_venv, tmp_path
     _serves_mqtt(venv, tmp_path)
 
 
-def test_the_packaged_config_checks_and_the_unit_verifies(compiled_venv, tmp_path):
-    venv, _ = compiled_venv
+def test_the_packaged_config_checks_and_the_unit_verifies(installed, tmp_path):
+    venv, _ = installed.use(installed.current or "compiled")
     r = subprocess.run([str(venv / "bin" / "wrenmq"), "config", "check", str(ROOT / "packaging" / "wrenmq.toml")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -280,3 +280,15 @@ def test_clients_through_haproxy_are_seen_by_their_own_address(make_broker, hapr
         pub.disconnect()
         pub.loop_stop()
     assert hook.seen["through-haproxy"].startswith("127.0.0.42:")
+
+
+def test_address_bans_see_the_clients_address(proxied):
+    proxied.call(lambda: proxied.broker.bans.add("address", "203.0.113.0/24", reason="test"))
+    for source, expected in ((("203.0.113.9", 50001), C.BANNED), (("198.51.100.1", 50002), 0)):
+        with socket.create_connection(("127.0.0.1", proxied.port)) as s:
+            s.sendall(encode_v1(source, ("127.0.0.1", proxied.port)) +
+                      encode(Connect(client_id=f"b{source[1]}", version=C.MQTT5), C.MQTT5))
+            sock_dec = Decoder(C.MQTT5)
+            s.settimeout(5)
+            connack = sock_dec.feed(s.recv(4096))[0]
+            assert connack.reason_code == expected, source

@@ -20,6 +20,7 @@ filter ("$share/g/t/1" by "t/1"). Pure functions and data: no I/O.
 """
 
 from ..broker.topics import TopicError, parse_shared, topic_matches, validate_topic_filter
+from ..config import filter_covers
 
 MAX_RULES = 1000  # per client: what one check may walk
 
@@ -28,25 +29,6 @@ PUBLISH, SUBSCRIBE = "publish", "subscribe"
 
 class RulesError(ValueError):
     """Rules that are not in either format (the login is refused: its grant is unclear)."""
-
-
-def filter_covers(general, specific):
-    """Whether every topic the filter `specific` matches is matched by `general`."""
-    lg, ls = general.split("/"), specific.split("/")
-    for i, g in enumerate(lg):
-        if g == "#":
-            return not (i == 0 and ls[0][:1] == "$")
-        if i >= len(ls):
-            return False
-        s = ls[i]
-        if s == "#":
-            return False
-        if g == "+":
-            if i == 0 and s[:1] == "$":
-                return False
-        elif g != s:
-            return False
-    return len(lg) == len(ls)
 
 
 def _fill(template, client_id, username):

@@ -28,15 +28,16 @@ _OWN_PARTS = 2048  # average payload size from which payloads go to writev from 
 # (measured: 1 KiB gains nothing, 2 KiB and 4 KiB save 10-45% of the writer's CPU per record)
 
 
-def encode_epochs(epochs: list):
+def encode_epochs(epochs: list, attrs=0, epoch=0):
     """The records of `epochs` (consecutive, offsets from epochs[0].base) as one batch:
-    ([batch bytes], first timestamp, max timestamp)."""
+    ([batch bytes], first timestamp, max timestamp). `attrs` and `epoch`: the header's
+    fields of those names (format.py)."""
     if not COMPILED:
         raise RuntimeError("encode_epochs needs the compiled encoder")
-    return _encode(epochs, None)
+    return _encode(epochs, None, attrs, epoch)
 
 
-def write_epochs(epochs: list, prepare):
+def write_epochs(epochs: list, prepare, attrs=0, epoch=0):
     """Encode the records of `epochs` as one batch and write it, in one stretch without the GIL.
 
     `prepare(size)` is called with the GIL once the batch's size is known, before
@@ -47,7 +48,7 @@ def write_epochs(epochs: list, prepare):
     """
     if not WRITES:
         raise RuntimeError("write_epochs needs the compiled encoder on a 64-bit platform")
-    return _encode(epochs, prepare)
+    return _encode(epochs, prepare, attrs, epoch)
 
 
 def use_crc_instruction(allow):
@@ -61,7 +62,7 @@ def use_crc_instruction(allow):
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _encode(epochs: list, prepare):
+def _encode(epochs: list, prepare, attrs, epoch):
     """One pass with the GIL over the epochs (a few per batch) gathers their buffers and
     sizes; then, without it, each record's fixed fields go to the columns, its checksum
     is taken in one pass over its bytes (the payload read once for its record's
@@ -127,7 +128,7 @@ def _encode(epochs: list, prepare):
     buf: cython.p_char = PyBytes_AS_STRING(out)  # noqa: F821
     magic: bytes = MAGIC
     memcpy(buf, cython.cast(cython.p_char, magic), 4)  # noqa: F821
-    header: bytes = HEADER_TAIL.pack(epochs[0].base, n, first_ts, max_ts, 0, 0)
+    header: bytes = HEADER_TAIL.pack(epochs[0].base, n, first_ts, max_ts, attrs, epoch)
     memcpy(buf + 12, cython.cast(cython.p_char, header), 36)  # noqa: F821
     fd: cython.int = -1
     if prepare is not None:

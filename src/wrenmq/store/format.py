@@ -9,8 +9,9 @@ One batch holds the records of one group commit. Layout (little-endian):
     20  count      u32 number of records N
     24  first_ts   i64 timestamp of the first record, microseconds since the epoch
     32  max_ts     i64 largest timestamp in the batch
-    40  attrs      u32 reserved (0)
-    44  reserved   u32 (0)
+    40  attrs      u32 bit 0 (ATTR_STATE): the batch holds state records; other bits 0
+    44  epoch      u32 the leader epoch of the replica that wrote the batch (replicated
+                   partitions, see below); 0 in a log that is not replicated
     48  timestamps         i64[N]
         record_crc         u32[N]  CRC-32C of topic + client_id + properties + payload
         topic_offsets      u32[N+1]  (Arrow-style offsets into the topic data)
@@ -20,7 +21,8 @@ One batch holds the records of one group commit. Layout (little-endian):
         packet_ids         u16[N]  the publisher's packet id of a QoS 2 message, else 0
         flags              u8[N]   bits 0-1 QoS, bit 2 retain, bit 3 private (kept only
                                    because a persistent session is owed it; readers of the
-                                   topic stream skip it)
+                                   topic stream skip it), bit 4 state (always with bit 3,
+                                   QoS 0, no retain: flags = 24; see below)
         topic data, client data, property data, payload data, zero padding to 8
 
 The batch CRC makes the normal read one C call over the bytes; the record CRCs
@@ -38,6 +40,19 @@ Format versions, told apart by the magic (the layout above is the same in both):
           first releases and CRC-32C in logs written after the switch to CRC-32C,
           which kept the magic; both kinds are on users' disks, so a WRN1 batch (and
           each of its records) checks out if either checksum matches.
+
+State records (replicated partitions, `[cluster] replicas` > 1): the broker's state
+changes of one group commit (`state.py`: SQLite statements and their parameters) travel
+in the log with its messages, as one record at the end of the commit's records, so that
+every replica applies the same changes at the same offsets (store/replicated.py). Its
+flags are private + state (24), its topic, client id and properties are empty, and its
+payload is `state.encode_ops`' encoding: a version byte (1), then per operation a u8
+statement id (the statement's index in `state.STATEMENTS`, a table that only grows) and
+its parameters, each a tag byte and a value: 0 None, 1 int (i64), 2 float (f64), 3 str
+(u32 length + UTF-8), 4 bytes (u32 length + bytes), all little-endian. A batch holding
+one sets ATTR_STATE in its header, so a replica finds them by reading batch headers.
+Every reader of the topic stream skips them as private; the broker's own reads
+(`Store.read`) leave them out too.
 
 A log can hold both: a writer appends WRN2 batches after the WRN1 ones an older
 version left, and every reader (the scanners, `LogReader`, recovery, `wrenmq log`,
@@ -64,6 +79,12 @@ HEADER_SIZE = HEADER.size  # 48
 HEADER_TAIL = struct.Struct("<qIqqII")  # the header after magic, length and crc
 _PREFIX = struct.Struct("<4sI")
 MAX_BATCH_BYTES = 1 << 30
+ATTRS_AT = 40  # where the header's attrs and leader epoch (u32 each) are
+EPOCH_AT = 44
+ATTR_STATE = 1  # attrs: the batch holds state records
+FLAG_PRIVATE = 8
+FLAG_STATE = 16
+STATE_FLAGS = FLAG_PRIVATE | FLAG_STATE  # the flags of a state record
 
 if sys.byteorder != "little":  # pragma: no cover - every platform we ship on is little-endian
     raise ImportError("wrenmq's log format code assumes a little-endian machine")
@@ -113,8 +134,12 @@ class CorruptBatch(Exception):
     """A batch whose bytes do not check out; `recoverable` if its structure is intact."""
 
 
-def encode_batch_parts(base, timestamps, flags, topics, clients, props, payloads, packet_ids=None):
+def encode_batch_parts(base, timestamps, flags, topics, clients, props, payloads, packet_ids=None, attrs=0,
+                       epoch=0):
     """Serialize one batch as (12-byte prefix, rest): write both with one `os.writev`.
+
+    `attrs` and `epoch` go to the header's fields of those names (ATTR_STATE; the leader
+    epoch of a replicated partition).
 
     The record data is copied once (one join) and checksummed in one pass over the
     joined bytes; only the per-record CRCs are computed record by record.
@@ -136,15 +161,15 @@ def encode_batch_parts(base, timestamps, flags, topics, clients, props, payloads
     length = size + pad - 8
     if length + 8 > MAX_BATCH_BYTES:
         raise ValueError("batch too large")
-    tail = b"".join([HEADER_TAIL.pack(base, n, timestamps[0], max(timestamps), 0, 0), *cols,
+    tail = b"".join([HEADER_TAIL.pack(base, n, timestamps[0], max(timestamps), attrs, epoch), *cols,
                      *topics, *clients, *props, *payloads, b"\0" * pad])
     return _PREFIX.pack(MAGIC, length) + struct.pack("<I", _crc(tail)), tail
 
 
-def encode_batch(base, timestamps, flags, topics, clients, props, payloads, packet_ids=None):
+def encode_batch(base, timestamps, flags, topics, clients, props, payloads, packet_ids=None, attrs=0, epoch=0):
     """Serialize one batch from per-record columns (lists of ints / bytes) into bytes."""
     prefix, tail = encode_batch_parts(base, timestamps, flags, topics, clients, props, payloads,
-                                      packet_ids)
+                                      packet_ids, attrs, epoch)
     return prefix + tail
 
 
@@ -163,7 +188,7 @@ def read_prefix(buf, pos=0):
 class Batch:
     """A view over one batch's bytes; columns are read lazily."""
 
-    __slots__ = ("buf", "pos", "size", "base", "count", "first_ts", "max_ts", "v1", "_cols")
+    __slots__ = ("buf", "pos", "size", "base", "count", "first_ts", "max_ts", "attrs", "epoch", "v1", "_cols")
 
     def __init__(self, buf, pos=0, verify=True):
         size = read_prefix(buf, pos)
@@ -171,7 +196,7 @@ class Batch:
             raise CorruptBatch("no batch header")
         if pos + size > len(buf):
             raise CorruptBatch("batch runs past the end of the data")
-        magic, _, crc, base, count, first_ts, max_ts, _, _ = HEADER.unpack_from(buf, pos)
+        magic, _, crc, base, count, first_ts, max_ts, attrs, epoch = HEADER.unpack_from(buf, pos)
         self.buf = buf
         self.pos = pos
         self.size = size
@@ -179,6 +204,8 @@ class Batch:
         self.count = count
         self.first_ts = first_ts
         self.max_ts = max_ts
+        self.attrs = attrs
+        self.epoch = epoch
         self.v1 = magic == MAGIC_V1  # (its checksums may be CRC-32)
         self._cols = None
         if verify:
@@ -265,13 +292,34 @@ class Batch:
             if check_records and (
                     (record_crc(topic, client, props, payload) != crcs[i]
                      and not (v1 and legacy_record_crc(topic, client, props, payload) == crcs[i]))
-                    or f & ~15 or f & 3 == 3 or not lo <= ts[i] <= hi
+                    or (f & ~15 and f != STATE_FLAGS) or f & 3 == 3 or not lo <= ts[i] <= hi
                     or (i == 0 and ts[0] != self.first_ts)
                     or to[i] > to[i + 1] or co[i] > co[i + 1] or po[i] > po[i + 1] or yo[i] > yo[i + 1]):
                 yield BadRecord(self.base + i)
                 continue
             yield Record(self.base + i, ts[i], f & 3, bool(f & 4), topic.decode("utf-8", "replace"),
-                         client.decode("utf-8", "replace"), props, payload, pids[i], bool(f & 8))
+                         client.decode("utf-8", "replace"), props, payload, pids[i], bool(f & 8),
+                         bool(f & 16))
+
+    def state_records(self, start=0, end=None):
+        """(offset, payload) of the batch's state records with start <= offset < end,
+        found in the flags column without building a record (flags = STATE_FLAGS only
+        there: other records use bits 0-3)."""
+        cols = self.columns()
+        fs, fe = cols["flags"]
+        buf = self.buf
+        yo = self._array("payload_off", "I")
+        yb = cols["payload"][0]
+        out = []
+        mark = bytes((STATE_FLAGS,))
+        i = buf.find(mark, fs, fe)
+        while i >= 0:
+            k = i - fs
+            off = self.base + k
+            if off >= start and (end is None or off < end):
+                out.append((off, bytes(buf[yb + yo[k]:yb + yo[k + 1]])))
+            i = buf.find(mark, i + 1, fe)
+        return out
 
     def topics(self):
         """The topic of every record (decoded), for matching without touching payloads."""
@@ -284,10 +332,10 @@ class Batch:
 
 class Record:
     __slots__ = ("offset", "timestamp", "qos", "retain", "topic", "client_id", "properties", "payload",
-                 "packet_id", "private")
+                 "packet_id", "private", "state")
 
     def __init__(self, offset, timestamp, qos, retain, topic, client_id, properties, payload, packet_id=0,
-                 private=False):
+                 private=False, state=False):
         self.offset = offset
         self.timestamp = timestamp  # microseconds since the epoch
         self.qos = qos
@@ -298,6 +346,7 @@ class Record:
         self.payload = payload
         self.packet_id = packet_id
         self.private = private  # not part of the topic stream (see the flags column)
+        self.state = state  # a state record (replicated partitions; private too)
 
     def __repr__(self):
         return (f"Record(offset={self.offset}, timestamp={self.timestamp}, topic={self.topic!r}, "

@@ -6,18 +6,23 @@ fsyncs, the durable mark (files.DURABLE_FILE). `CommitLog` is a `LogReader` (rea
 that also writes: it opens the partition through recovery (recovery.py: a torn or
 corrupt tail truncated and reported, stale or missing indexes rebuilt), then appends,
 rolls to a new segment at `segment_bytes`, syncs and deletes old segments for retention.
+A replicated partition's log is also cut back (`truncate`: a follower whose tail the
+leader never had) or emptied to start at an offset (`reset`: after a state snapshot).
 Append and sync from one thread only.
 """
 
+import bisect
 import errno
 import logging
 import mmap
 import os
+import threading
 import time
 
 from .files import DURABLE_FILE, durable_bytes, fallocate, fsync_dir, write_parts
 from .reader import LogReader
-from .recovery import recover, remove_orphans, sync_past_mark
+from .recovery import recover, recover_active, remove_orphans, sync_past_mark
+from .scan import Damage, walk
 from .segment import Segment, segment_name
 
 log = logging.getLogger("wrenmq.store")
@@ -48,7 +53,7 @@ class CommitLog(LogReader):
     """
 
     def __init__(self, directory, segment_bytes=64 << 20, index_interval_bytes=4096, direct_io=False,
-                 durable_marks=False):
+                 durable_marks=False, mark_limit=None):
         os.makedirs(directory, exist_ok=True)
         self.segment_bytes = segment_bytes
         self.index_interval = index_interval_bytes
@@ -75,6 +80,12 @@ class CommitLog(LogReader):
         self.sealed_sync = None
         self._durable_fd = None  # DURABLE_FILE, written after each sync (durable_marks)
         self._durable_failed = False
+        # A replicated partition's mark says no more than its high watermark (`limit_marks`):
+        # a reader (the Spark source) must not take a record that a failover could still
+        # take back. None: not limited. `_synced`: the end the syncs made durable.
+        self.mark_limit = mark_limit
+        self._synced = 0
+        self._mark_lock = threading.Lock()
         remove_orphans(str(directory))
         super().__init__(directory)
         self._recover()
@@ -109,6 +120,27 @@ class CommitLog(LogReader):
         whose sync made it so). A failed write only holds readers back: logged once."""
         if self._durable_fd is None:
             return
+        if self.mark_limit is not None:
+            self._mark_limited(offset)
+            return
+        self._write_mark(offset)
+
+    def limit_marks(self, limit):
+        """From now on DURABLE_FILE says at most `limit` (a replicated partition's high
+        watermark; raised as it moves)."""
+        self.mark_limit = limit
+        if self._durable_fd is not None:
+            self._mark_limited(None)
+
+    def _mark_limited(self, synced):
+        # (The syncer thread marks while the writer raises the limit: one at a time, so a
+        # lower value never lands after a higher one.)
+        with self._mark_lock:
+            if synced is not None and synced > self._synced:
+                self._synced = synced
+            self._write_mark(min(self._synced, self.mark_limit))
+
+    def _write_mark(self, offset):
         try:
             os.pwrite(self._durable_fd, durable_bytes(offset), 0)
         except OSError as e:
@@ -382,12 +414,14 @@ class CommitLog(LogReader):
     # --- retention -----------------------------------------------------------
 
     def enforce_retention(self, retention_bytes=0, retention_hours=0.0, protect_from=None,
-                          hard_bytes=0, now_us=None):
+                          hard_bytes=0, now_us=None, keep_from=None):
         """Delete whole sealed segments past the limits.
 
         A segment holding an offset >= `protect_from` (still needed by a persistent
         session) is kept unless the log exceeds `hard_bytes`, which is a size limit of
-        its own. Returns (segments deleted, records deleted that were still needed).
+        its own. One holding an offset >= `keep_from` is always kept (a replicated
+        partition: records whose state changes are not applied yet). Returns (segments
+        deleted, records deleted that were still needed).
         """
         if now_us is None:
             now_us = int(time.time() * 1e6)
@@ -399,7 +433,7 @@ class CommitLog(LogReader):
             over_hard = bool(hard_bytes) and total > hard_bytes
             too_big = (retention_bytes and total > retention_bytes) or over_hard
             too_old = cutoff is not None and seg.max_ts is not None and seg.max_ts < cutoff
-            if not (too_big or too_old):
+            if not (too_big or too_old) or (keep_from is not None and seg.next_offset > keep_from):
                 break
             needed = protect_from is not None and seg.next_offset > protect_from
             if needed and not over_hard:
@@ -413,6 +447,116 @@ class CommitLog(LogReader):
             total -= seg.size
             deleted += 1
         return deleted, lost
+
+    # --- truncation ---------------------------------------------------------------
+
+    def truncate(self, offset):
+        """Remove the records from `offset` on (Kafka's truncateTo): the segments above it
+        go whole, the one holding it is cut where the batch holding it begins, its index
+        rebuilt, and DURABLE_FILE moved back. Returns the end offset the log has then:
+        `offset`, or less if it is not a batch boundary (the whole batch holding it goes).
+        Nothing if the log ends at or before `offset`. ValueError below the log start
+        (`reset` empties a log)."""
+        end = None
+        for end in self.truncate_steps(offset):
+            pass
+        return end
+
+    def truncate_steps(self, offset):
+        """`truncate` one step at a time: a generator that yields None after each step a
+        crash (or a kill) could stop it after, and the new end offset last. Each step
+        leaves a log that opens as a prefix of the one before: the durable mark goes back
+        first, then the segments above `offset` one by one from the last, then the cut."""
+        end = self.end_offset
+        if offset < self.start_offset:
+            raise ValueError(f"cannot truncate to offset {offset}, below the log start {self.start_offset}")
+        if offset >= end:
+            yield end
+            return
+        self._write_index_pending()
+        holding = self.segments[bisect.bisect_right([s.base for s in self.segments], offset) - 1]
+        cut, new_end = self._cut_point(holding, offset)
+        self._lower_mark(new_end)
+        yield None
+        while len(self.segments) > 1 and self.segments[-1].base >= new_end:
+            self._close_files()
+            self._unlink(self.segments.pop())
+            yield None
+        seg = self.segments[-1]
+        self._close_files()
+        if seg is not holding:
+            cut = seg.size  # (the segment holding the offset began there: it went whole)
+        if cut < seg.size:
+            with open(seg.log_path, "r+b") as fh:
+                fh.truncate(cut)
+                os.fsync(fh.fileno())
+            yield None
+            # The index files keep the entries below the cut (written whole, atomically),
+            # so the rebuild below finds them matching, then the extent is walked again.
+            n = bisect.bisect_left(seg.index_positions, cut)
+            for arr in (seg.index_offsets, seg.index_positions, seg.time_ts, seg.time_offsets):
+                del arr[n:]
+            seg.last_indexed_pos = seg.index_positions[-1] if n else -1
+            seg.write_index()
+            recover_active(seg, self.index_interval)
+        seg.sealed = False
+        self._open_files(seg)
+        fsync_dir(self.dir)
+        log.info("%s: truncated to offset %d (was %d)", self.dir, seg.next_offset, end)
+        yield seg.next_offset
+
+    def reset(self, start):
+        """Empty the log; the next record gets offset `start` (Kafka's
+        truncateFullyAndStartAt: a replica that installed a state snapshot). A crash
+        midway leaves a prefix of the old log, or an empty one."""
+        self._write_index_pending()
+        self._lower_mark(min(start, self.end_offset))
+        self._close_files()
+        while self.segments:
+            self._unlink(self.segments.pop())
+        fsync_dir(self.dir)
+        self._open_segment(start)
+        if self._durable_fd is not None:
+            self._synced = start
+            self._write_mark(start if self.mark_limit is None else min(start, self.mark_limit))
+        log.info("%s: emptied; the log starts at offset %d", self.dir, start)
+
+    def _lower_mark(self, offset):
+        """DURABLE_FILE says no more than `offset`, on disk before anything is removed (readers
+        must not take what goes for durable, nor recovery its removal for a loss)."""
+        if self._durable_fd is None:
+            return
+        with self._mark_lock:
+            self._synced = min(self._synced, offset)
+            mark = self.durable_mark
+            if mark is None or mark > offset:
+                self._write_mark(offset)
+            os.fsync(self._durable_fd)
+
+    def _cut_point(self, seg, offset):
+        """(position, offset) in `seg` where the first batch not wholly below `offset`
+        begins (damage counts as such a batch); (its size, its end) if there is none."""
+        pos, at = seg.position_for(offset)
+        fd = os.open(seg.log_path, os.O_RDONLY)
+        try:
+            for p, item in walk(fd, pos, seg.size, at, search_tail=False):
+                if isinstance(item, Damage):
+                    return p, at
+                if item.base + item.count > offset:
+                    return p, min(item.base, offset)
+                at = item.base + item.count
+        finally:
+            os.close(fd)
+        return seg.size, seg.next_offset
+
+    def _unlink(self, seg):
+        """Remove a segment's files, the log first (index files without it are orphans,
+        which opening removes)."""
+        for path in (seg.log_path, seg.index_path, seg.time_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def _delete(self, seg):
         self.segments.pop(0)

@@ -1,5 +1,9 @@
 """Reading a partition: `LogReader`, read-only and lock-free.
 
+`RawReader` reads batches as they are stored, without decoding them: what a replicated
+partition's leader sends its followers, and the walk over batch headers with which a
+replica finds its state records.
+
 A reader is used in the broker, by `wrenmq log` and in Spark workers, often while a
 writer (here or in another process) appends, truncates or deletes segments: it holds
 nothing open between calls, learns what was appended on `refresh`, and a segment deleted
@@ -12,12 +16,14 @@ no readable batch it resumes at the next intact batch.
 import bisect
 import logging
 import os
+from array import array
+from typing import NamedTuple
 
 from .files import read_durable
-from .format import Batch
-from .index import check_index
+from .format import HEADER, HEADER_SIZE, Batch, CorruptBatch, read_prefix
+from .index import INDEX_ENTRY, check_index
 from .scan import Damage, Salvaged, first_timestamp, offset_ranges, walk
-from .segment import Segment, list_segments
+from .segment import Segment, list_segments, segment_name
 
 log = logging.getLogger("wrenmq.store")
 
@@ -265,11 +271,12 @@ class LogReader:
                       "serving its %d records", seg.log_path, item.pos, item.base, item.next_offset - 1,
                       item.reason, len(item.good))
 
-    def records(self, start=0, end=None, topic_filters=None, private=False):
+    def records(self, start=0, end=None, topic_filters=None, private=False, state=False):
         """Yield Record objects with start <= offset < end, optionally filtered by MQTT filters.
 
         Private records (kept only for a persistent session, see format.py) are part of
-        the topic stream only for the broker itself (`private=True`).
+        the topic stream only for the broker itself (`private=True`); state records (the
+        state changes of a replicated partition, private too) only with `state=True` as well.
         """
         match = topic_matcher(topic_filters)
         for b in self.batches(start, end):
@@ -280,7 +287,7 @@ class LogReader:
                     continue
                 if end is not None and r.offset >= end:
                     return
-                if r.private and not private:
+                if r.private and (not private or (r.state and not state)):
                     continue
                 if match is None or match(r.topic):
                     yield r
@@ -396,3 +403,248 @@ def topic_matcher(filters):
         return r
 
     return match
+
+
+# --- batches as stored (replication) ---------------------------------------------------
+
+
+class RawBatch(NamedTuple):
+    """One batch as it is on disk: `count` records from offset `base`, written by the
+    leader of `epoch` (the header's epoch field), `data` its bytes. The fields and their
+    order are those of the replication frames' Batch, so `Batch(*raw)` makes one."""
+    base: int
+    epoch: int
+    count: int
+    data: bytes
+
+
+class BatchHead(NamedTuple):
+    """A batch's header fields and where it is: segment `segment` (its base offset),
+    bytes [pos, pos + size) of its file."""
+    base: int
+    count: int
+    attrs: int
+    epoch: int
+    segment: int
+    pos: int
+    size: int
+
+
+class LogRangeError(LookupError):
+    """The records asked for are not in the log: below its start (retention or a snapshot
+    removed them), or missing from the files (damage)."""
+
+
+_HEAD_READ = 64 << 10  # bytes read at a time while walking batch headers
+
+
+class RawReader:
+    """Reads a partition's batches as they are stored, without decoding their records:
+    the leader's reads for its followers (`batches`) and the walk over batch headers
+    that a replica applies its state records with (`heads`).
+
+    Safe to use while a writer (in this process or another) appends: it reads only
+    the offsets it is asked for, which the caller knows are written, and a batch that
+    is not whole in the file ends the read. One per thread. It keeps where the last
+    read ended, so a follower fetching on from there costs no index lookup; nothing
+    is held open between calls. After a truncation of the log (a follower's), call
+    `forget`.
+    """
+
+    def __init__(self, directory):
+        self.dir = str(directory)
+        self._bases = []
+        self._index = {}  # segment base -> (offsets, positions, index file size)
+        self._cursor = None  # (offset, segment base, position) where the last walk ended
+
+    def forget(self):
+        """Drop what is known of the files (the log was truncated or replaced)."""
+        self._bases = []
+        self._index.clear()
+        self._cursor = None
+
+    def batches(self, start, end, max_bytes):
+        """The batches from the one holding offset `start` on, as RawBatch: whole batches
+        only, none reaching past offset `end`, together at most `max_bytes` (but at least
+        one). The bytes are exactly those on disk; their CRC is not checked here (the
+        follower checks it). [] if `start` >= `end`. LogRangeError if `start` is below the
+        log start or the files lack offsets from `start` on; CorruptBatch if bytes where a
+        batch should be are not one."""
+        heads = []
+        total = 0
+        for h in self.heads(start, end):
+            if h.base + h.count > end or (heads and total + h.size > max_bytes):
+                break
+            heads.append(h)
+            total += h.size
+            if total >= max_bytes:
+                break
+        if heads:
+            last = heads[-1]
+            self._cursor = (last.base + last.count, last.segment, last.pos + last.size)
+        out = []
+        i = 0
+        while i < len(heads):
+            # One read per run of batches in one segment.
+            j = i + 1
+            while j < len(heads) and heads[j].segment == heads[i].segment:
+                j += 1
+            first, last = heads[i], heads[j - 1]
+            data = self._pread(first.segment, first.pos, last.pos + last.size - first.pos)
+            mv = memoryview(data)
+            for h in heads[i:j]:
+                at = h.pos - first.pos
+                out.append(RawBatch(h.base, h.epoch, h.count, bytes(mv[at:at + h.size])))
+            mv.release()
+            i = j
+        return out
+
+    def read(self, head):
+        """The bytes of the batch `head` (a BatchHead from `heads`)."""
+        return self._pread(head.segment, head.pos, head.size)
+
+    def heads(self, start, end):
+        """Yield the BatchHead of every batch from the one holding offset `start` on, up to
+        the one holding `end - 1`, as far as the files hold whole batches (a batch being
+        written ends it). Errors as in `batches`."""
+        if start >= end:
+            return
+        seg, pos = self._locate(start)
+        expect = None
+        first = True
+        while True:
+            path = os.path.join(self.dir, segment_name(seg) + ".log")
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # retention (or a truncation) deleted it meanwhile
+                self.forget()
+                raise LogRangeError(f"{path}: deleted while offset {start} on was read") from None
+            try:
+                size = os.fstat(fd).st_size
+                buf = b""
+                buf_pos = 0
+                n = 0
+                while pos < size:
+                    rel = pos - buf_pos
+                    if rel < 0 or len(buf) - rel < HEADER_SIZE:
+                        # (After a large batch the next is likely large too: its header only.)
+                        buf = os.pread(fd, HEADER_SIZE if n > _HEAD_READ else _HEAD_READ, pos)
+                        buf_pos = pos
+                        rel = 0
+                        if len(buf) < HEADER_SIZE:
+                            break
+                    n = read_prefix(buf, rel)
+                    if n is None:
+                        if first and pos:  # an index entry that does not lead to a batch
+                            self._index.pop(seg, None)
+                            pos = 0
+                            first = False
+                            continue
+                        raise CorruptBatch(f"{path}: no batch at position {pos}")
+                    if pos + n > size:
+                        break  # not whole yet
+                    _, _, _, base, count, _, _, attrs, epoch = HEADER.unpack_from(buf, rel)
+                    if first and base > start and pos:
+                        self._index.pop(seg, None)  # a stale index entry: walk from the start
+                        pos = 0
+                        first = False
+                        continue
+                    first = False
+                    if base + count <= start:
+                        pos += n
+                        continue
+                    if base != (start if expect is None else expect) and not (expect is None and base < start):
+                        raise LogRangeError(f"{path}: offsets {start if expect is None else expect}-"
+                                            f"{base - 1} are missing (position {pos})")
+                    if base >= end:
+                        return
+                    self._cursor = (base + count, seg, pos + n)
+                    yield BatchHead(base, count, attrs, epoch, seg, pos, n)
+                    expect = base + count
+                    pos += n
+                    if expect >= end:
+                        return
+            finally:
+                os.close(fd)
+            nxt = self._next_segment(seg)
+            if nxt is None:
+                return
+            if expect is not None and nxt != expect or expect is None and nxt > start:
+                raise LogRangeError(f"{self.dir}: segment {segment_name(nxt)} does not follow offset "
+                                    f"{start if expect is None else expect - 1}")
+            seg, pos = nxt, 0
+
+    # --- internals ---------------------------------------------------------------
+
+    def _pread(self, seg, pos, size):
+        path = os.path.join(self.dir, segment_name(seg) + ".log")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self.forget()
+            raise LogRangeError(f"{path}: deleted while it was read") from None
+        try:
+            data = os.pread(fd, size, pos)
+        finally:
+            os.close(fd)
+        if len(data) != size:
+            raise LogRangeError(f"{path}: {size} bytes at position {pos} are not in the file")
+        return data
+
+    def _list(self):
+        self._bases = list_segments(self.dir)
+        known = set(self._bases)
+        for base in [b for b in self._index if b not in known]:
+            del self._index[base]
+        return self._bases
+
+    def _next_segment(self, seg):
+        """The base of the segment after `seg`, listing the directory again if this reader
+        knows none (the writer may have rolled to it since)."""
+        for attempt in (0, 1):
+            bases = self._bases if not attempt else self._list()
+            i = bisect.bisect_right(bases, seg)
+            if i < len(bases):
+                return bases[i]
+        return None
+
+    def _locate(self, start):
+        """(segment base, position) from which a walk reaches the batch holding `start`."""
+        bases = self._bases or self._list()
+        if not bases or start < bases[0]:
+            bases = self._list()
+            if not bases:
+                raise LogRangeError(f"{self.dir}: no segments")
+            if start < bases[0]:
+                raise LogRangeError(f"offset {start} is below the log start {bases[0]}")
+        seg = bases[bisect.bisect_right(bases, start) - 1]
+        c = self._cursor
+        if c is not None and c[0] == start and c[1] == seg:
+            return seg, c[2]
+        offsets, positions = self._entries(seg, start)
+        i = bisect.bisect_right(offsets, start) - 1
+        return seg, (positions[i] if i >= 0 else 0)
+
+    def _entries(self, seg, start):
+        """The index entries of segment `seg` (read from its index file, again if it grew
+        and `start` is past the last entry known)."""
+        path = os.path.join(self.dir, segment_name(seg) + ".index")
+        got = self._index.get(seg)
+        if got is not None and got[0] and start <= got[0][-1]:
+            return got[0], got[1]
+        try:
+            if got is not None and os.path.getsize(path) == got[2]:
+                return got[0], got[1]
+            with open(path, "rb") as fh:
+                raw = fh.read()
+        except FileNotFoundError:
+            raw = b""
+        offsets = array("q")
+        positions = array("q")
+        for rel, pos in INDEX_ENTRY.iter_unpack(raw[:len(raw) - len(raw) % INDEX_ENTRY.size]):
+            if positions and (pos <= positions[-1] or seg + rel <= offsets[-1]) or pos % 8:
+                break  # (damaged from here: the walk from the last good entry still finds it)
+            offsets.append(seg + rel)
+            positions.append(pos)
+        self._index[seg] = (offsets, positions, len(raw))
+        return offsets, positions

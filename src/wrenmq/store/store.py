@@ -28,8 +28,8 @@ import uuid
 
 from ..config import cluster_node_name
 from ..mqtt.codec import decode_properties, encode_varint
-from ._epoch import SEAL_BYTES, Epoch, EpochAppender, new_buffers, properties_block  # noqa: F401 (properties_block: re-exported)
-from .format import encode_batch_parts
+from ._epoch import FIXED_SIZE, SEAL_BYTES, Epoch, EpochAppender, new_buffers, properties_block  # noqa: F401 (properties_block: re-exported)
+from .format import FLAG_STATE, encode_batch_parts
 from .lock import DataDirLock
 from .log import CommitLog
 from .reader import LogReader
@@ -54,21 +54,22 @@ def parse_properties_block(block):
     return dict(props)
 
 
-def encode_epochs(epochs):
+def encode_epochs(epochs, attrs=0, epoch=0):
     """The records of consecutive epochs as one log batch: (parts, first timestamp, max
-    timestamp); the parts, concatenated, are the batch.
+    timestamp); the parts, concatenated, are the batch. `attrs`, `epoch`: the header's
+    fields (format.py; replicated partitions).
 
     The compiled encoder of `_encode` when the install built it, else the column-wise
     reference encoder of `format` (the same bytes).
     """
     if _compiled_encode is not None:
-        return _compiled_encode(epochs)
+        return _compiled_encode(epochs, attrs, epoch)
     cols = [[], [], [], [], [], [], []]
     for ep in epochs:
         for col, part in zip(cols, ep.columns()):
             col.extend(part)
     ts, flags, topics, clients, props, payloads, pids = cols
-    data = encode_batch_parts(epochs[0].base, ts, flags, topics, clients, props, payloads, pids)
+    data = encode_batch_parts(epochs[0].base, ts, flags, topics, clients, props, payloads, pids, attrs, epoch)
     return data, ts[0], max(ts)
 
 
@@ -82,6 +83,7 @@ _SYNCED = object()  # the syncer's wake-up of the writer: a sync finished
 # How long the writer lets QoS 0-only epochs gather before it takes them (a durable
 # epoch, a waiting loop or a close cuts it short).
 GATHER = 0.002
+_FLAGS_AT = 30  # where a record's flags are in its entry of an epoch's `fixed` (_epoch.FIXED)
 
 
 class _Signal:
@@ -134,8 +136,11 @@ class Store(EpochAppender):
     """Persistence for one broker node; call `append`/`op`/`seal` from the event loop only.
 
     The per-message steps (`append`, `append_record`) and the epoch live in `_epoch`,
-    which the install compiles.
+    which the install compiles. A replicated partition's store is `replicated.ReplicatedStore`.
     """
+
+    replicated = False  # state changes travel in the log and are applied when committed
+    _mark_limit_at_open = None  # CommitLog(mark_limit=): ReplicatedStore's marks wait for the HW
 
     def __init__(self, config, on_durable=None, on_error=None):
         self.config = config
@@ -174,7 +179,7 @@ class Store(EpochAppender):
         # Spark source reads no further, so a crash of the machine never takes back a
         # record it read.
         self.log = CommitLog(self.log_dir, lg.segment_bytes, lg.index_interval_bytes, lg.direct_io,
-                             durable_marks=st.fsync != "never")
+                             durable_marks=st.fsync != "never", mark_limit=self._mark_limit_at_open)
         self._reader = None
         sync = {"always": "FULL", "interval": "NORMAL", "never": "OFF"}[st.fsync]
         self.db = StateDB(os.path.join(self.data_dir, "state.db"), sync)
@@ -423,12 +428,17 @@ class Store(EpochAppender):
             epochs = []
             batch_durable = False
             retention = None
+            command = None
             while e is not False:
                 if e is None:
                     stop = True
                     break
                 if isinstance(e, tuple):
-                    retention = e[1]
+                    if e[0] == "retention":
+                        retention = e[1]
+                    elif e[0] != "wake":  # a replicated store's: run after the epochs queued before it
+                        command = e
+                        break
                 elif e is not _SYNCED:
                     epochs.append(e)
                 if len(epochs) >= 256:
@@ -447,6 +457,8 @@ class Store(EpochAppender):
                     raise self._sync_error
                 through = None
                 ops = []
+                if self.replicated and epochs:
+                    self._fill_state_records(epochs)
                 # Consecutive epochs are contiguous in offsets: write them as few batches.
                 held = []  # epochs whose records go into the next batch
                 count = nbytes = 0
@@ -471,13 +483,16 @@ class Store(EpochAppender):
                     dirty = True
                 held = None
                 now = time.monotonic()
-                if through is not None and (ops or stop or now - last_through >= _THROUGH_EVERY):
+                if through is not None and not self.replicated and (
+                        ops or stop or now - last_through >= _THROUGH_EVERY):
                     # Recovery rescans the log from here for what SQLite may not have seen.
                     # Every transaction with state changes moves it (so they never lag
                     # behind it); without any, only once a second: a transaction is
                     # several GIL hand-overs for the writer thread.
                     ops.append((META_SET, ("log_through", str(through))))
                     last_through = now
+                if self.replicated and through is not None and self.fsync == "always":
+                    self._report_appended(through)  # (followers fetch it while this fsyncs)
                 if dirty and (self.fsync == "always" or stop):
                     self.log.sync()
                     self.syncs += 1
@@ -493,6 +508,8 @@ class Store(EpochAppender):
                     last_sync = now
                     dirty = False
                 self.db.apply(ops)
+                if self.replicated:
+                    self._replicated_round(command, stop)
                 if retention is not None:
                     self._retention(retention)
             except Exception as exc:  # disk full, I/O error: durability can no longer be promised
@@ -590,13 +607,7 @@ class Store(EpochAppender):
 
     def _append(self, epochs, count):
         """The records of `epochs` (consecutive, `count` in all) as one batch in the log."""
-        log = self.log
-        base = epochs[0].base
-        if _compiled_write is not None and log.writes_through_cache:
-            size = log.append_epochs(base, count, epochs, _compiled_write)
-        else:
-            data, first_ts, max_ts = encode_epochs(epochs)
-            size = log.append(data, base, count, first_ts, max_ts)
+        size = self._write_batch(epochs, count)
         self.appended += count
         self.batches += 1
         self.bytes_appended += size
@@ -608,6 +619,15 @@ class Store(EpochAppender):
                 changed = True
             if changed and self.loop is not None:
                 self.loop.call_soon_threadsafe(self.watch_disk)
+
+    def _write_batch(self, epochs, count):
+        """Encode and write the batch; its size."""
+        log = self.log
+        base = epochs[0].base
+        if _compiled_write is not None and log.writes_through_cache:
+            return log.append_epochs(base, count, epochs, _compiled_write)
+        data, first_ts, max_ts = encode_epochs(epochs)
+        return log.append(data, base, count, first_ts, max_ts)
 
     # --- free space --------------------------------------------------------------
 
@@ -648,8 +668,9 @@ class Store(EpochAppender):
         """Up to `limit` records (format.Record) with offset >= start, in order.
 
         Offsets the writer has not written yet come from memory, the rest from the log
-        files; private records included (the caller is the broker). Runs on the loop
-        while the writer may release epochs: each epoch's records are taken once.
+        files; private records included (the caller is the broker), state records
+        (replicated) left out. Runs on the loop while the writer may release epochs: each
+        epoch's records are taken once.
         """
         out = []
         if start >= self.next_offset:
@@ -667,15 +688,20 @@ class Store(EpochAppender):
             if base + n <= start:
                 continue
             if start < base:  # everything before an epoch still in memory is written
-                if not self._read_disk(start, min(base, start + limit - len(out)), out):
-                    return out
-                start = out[-1].offset + 1
-                if start < base:
+                start = self._read_disk(start, min(base, start + limit - len(out)), out)
+                if start < base:  # (not all came, or the limit)
                     return out
             i = start - base
-            while i < n and len(out) < limit:
-                out.append(ep.record(i, buffers))
-                i += 1
+            if self.replicated:
+                fixed = buffers[0]
+                while i < n and len(out) < limit:
+                    if not fixed[i * FIXED_SIZE + _FLAGS_AT] & FLAG_STATE:
+                        out.append(ep.record(i, buffers))
+                    i += 1
+            else:
+                while i < n and len(out) < limit:
+                    out.append(ep.record(i, buffers))
+                    i += 1
             start = base + i
         if len(out) < limit and start < self.next_offset:
             # After the last epoch still in memory, or no epoch is: on disk.
@@ -683,14 +709,22 @@ class Store(EpochAppender):
         return out
 
     def _read_disk(self, start, end, out):
-        """Append the records start..end-1 from the log files to `out`; False if they
-        did not all come (retention deleted them, or the files end early): the caller
-        then returns only the contiguous run so far, so no record is ever skipped."""
+        """Append the records start..end-1 from the log files to `out`; return the offset
+        after the last one read, below `end` if they did not all come (retention deleted
+        them, or the files end early): the caller then returns only the contiguous run
+        so far, so no record is ever skipped. (State records are read and left out.)"""
         if start >= end:
-            return True
+            return end
+        if self.replicated:
+            for rec in self._disk_reader().records(start, end, private=True, state=True):
+                start = rec.offset + 1
+                if not rec.state:
+                    out.append(rec)
+            return start
+        n = len(out)
         for rec in self._disk_reader().records(start, end, private=True):
             out.append(rec)
-        return bool(out) and out[-1].offset + 1 >= end
+        return out[-1].offset + 1 if len(out) > n else start
 
     def _disk_reader(self):
         if self._reader is None:

@@ -12,6 +12,9 @@ Each module is one concern; import what you use from the module that holds it:
     files.py     durable file writes and the durable-mark file
     state.py     `StateDB`: sessions, subscriptions, retained messages (SQLite)
     store.py     `Store`: the group commit that writes both, and its writer thread
+    replicated.py  `ReplicatedStore`: a replicated partition's leader (state in the log,
+                 applied and released at the high watermark)
+    replica.py   `ReplicaLog`: a follower's copy of a replicated partition
     lock.py      `DataDirLock`: one writer per data dir (readers never take it)
     _epoch.py    the loop's per-message steps into the current epoch (compiled at install)
     _encode.py   the writer's batch encoder, without the GIL (compiled at install)

@@ -19,6 +19,7 @@ import pytest
 from log_helpers import T0
 from wrenmq.config import load
 from wrenmq.store import state as S
+from wrenmq.store.files import read_durable
 from wrenmq.store.format import ATTR_STATE, encode_batch
 from wrenmq.store.reader import LogReader, RawBatch
 from wrenmq.store.replica import INSTALL_MARK, SNAPSHOT_TMP, ReplicaError, ReplicaLog, replica_dir
@@ -122,11 +123,14 @@ def test_the_replica_state_equals_the_leaders_after_both_apply_through_the_same_
         # Nothing is applied before the HW says so, on either side.
         first = tables(leader.db)
         assert first["subscriptions"] == [] and tables(replica.db)["subscriptions"] == []
+        # Nor does a reader of the files (the Spark source) get past what is committed.
+        assert read_durable(leader.log_dir) == read_durable(replica.log_dir) == 0
         for hw in (ends[4], ends[11]):
             await committed(leader, hw)
             await applied(replica, hw)
             assert tables(replica.db) == tables(leader.db)
             assert replica.applied_through == leader.applied_through == hw
+            assert read_durable(leader.log_dir) == read_durable(replica.log_dir) == hw
         state = tables(leader.db)
         assert {r[1] for r in state["subscriptions"]} == {f"fleet/{i}/#" for i in range(12) if i % 3 != 1}
         assert dict(state["meta"])["applied_through"] == str(ends[11])
@@ -144,16 +148,18 @@ def test_the_replica_state_equals_the_leaders_after_both_apply_through_the_same_
     asyncio.run(main())
 
 
-def test_output_is_released_in_order_only_once_the_hw_passes_it(tmp_path):
+@pytest.mark.parametrize("fsync", ["always", "interval", "never"])
+def test_output_is_released_in_order_only_once_the_hw_passes_it(tmp_path, fsync):
     async def main():
         released, appended, durable = [], [], []
-        leader = ReplicatedStore(config(tmp_path), on_durable=released.append, on_appended=appended.append,
+        leader = ReplicatedStore(config(tmp_path, fsync), on_durable=released.append, on_appended=appended.append,
                                  on_local_durable=durable.append)
         leader.start(asyncio.get_running_loop())
         epochs = [await write_epoch(leader, i) for i in range(4)]
         ends = [e[2] for e in epochs]
         ids = [e[0] for e in epochs]
-        assert appended == ends and durable == ends  # (fsync "always": each fsynced before it is durable)
+        # (Each durable as soon as written under "interval" and "never", once fsynced under "always".)
+        assert appended == ends and durable == ends
         await asyncio.sleep(0.05)
         assert released == [] and leader.durable_id == 0  # written and fsynced, not committed
         leader.commit(ends[0] - 1)
@@ -380,10 +386,11 @@ def _batch(base, n, epoch, tag):
                         [b"%s %d" % (tag, base + k) for k in range(n)], [0] * n, 0, epoch)
 
 
-def test_truncation_then_a_new_leaders_batches(tmp_path):
+@pytest.mark.parametrize("fsync", ["always", "interval", "never"])
+def test_truncation_then_a_new_leaders_batches(tmp_path, fsync):
     async def main():
         durable = []
-        replica = ReplicaLog(tmp_path, "a", config(tmp_path), on_durable=durable.append)
+        replica = ReplicaLog(tmp_path, "a", config(tmp_path, fsync), on_durable=durable.append)
         replica.start(asyncio.get_running_loop())
         old = [RawBatch(b, 1, 4, _batch(b, 4, 1, b"old")) for b in range(0, 20, 4)]
         replica.append(old)
@@ -404,7 +411,7 @@ def test_truncation_then_a_new_leaders_batches(tmp_path):
         replica.close()
         got = [(r.offset, r.payload) for r in LogReader(replica.log_dir).records()]
         assert got == [(o, b"old %d" % o) for o in range(12)] + [(o, b"new %d" % o) for o in range(12, 24)]
-        again = ReplicaLog(tmp_path, "a", config(tmp_path))
+        again = ReplicaLog(tmp_path, "a", config(tmp_path, fsync))
         assert (again.log_start, again.log_end, again.durable_end, again.applied_through) == (0, 24, 24, 8)
         assert again.load_epochs() == "wrenmq-leader-epochs 1\n1 0\n2 12\n"
         with pytest.raises(ReplicaError, match="below the log start|applied through"):

@@ -314,7 +314,9 @@ class ReplicaLog:
             except queue.Empty:
                 item = ("apply",)
             try:
+                taken = 0
                 while True:
+                    taken += 1
                     if item is None:
                         stop = True
                         break
@@ -328,6 +330,8 @@ class ReplicaLog:
                         if dirty:
                             dirty, last_sync = self._settle(dirty, last_sync, True)
                         self._command(item)
+                    if taken >= 64:  # (then sync and report: a long queue does not wait for it)
+                        break
                     try:
                         item = q.get_nowait()
                     except queue.Empty:

@@ -535,6 +535,55 @@ def test_admin_listener_over_tls(tmp_path):
         b.stop()
 
 
+def test_a_stream_that_fails_after_its_status_cuts_the_connection():
+    """A generator that raises after the 200 went out: the reader must see the answer cut
+    short at once (no last chunk), not wait on an open connection for data that never comes."""
+    import asyncio
+    import concurrent.futures
+    import http.client
+    import threading
+
+    from wrenmq.admin.http import HttpConnection, Response, stream_from_thread
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def chunks():
+        yield b"first chunk"
+        raise OSError("the disk went away")
+
+    async def app(request):
+        return Response(200, content_type="application/octet-stream", stream=stream_from_thread(chunks(), pool))
+
+    ready = threading.Event()
+    box = {}
+
+    def serve():
+        loop = asyncio.new_event_loop()
+        box["loop"] = loop
+        server = loop.run_until_complete(loop.create_server(lambda: HttpConnection(app), "127.0.0.1", 0))
+        box["port"] = server.sockets[0].getsockname()[1]
+        ready.set()
+        loop.run_forever()
+        server.close()
+        loop.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert ready.wait(5)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", box["port"], timeout=15)
+        conn.request("GET", "/")
+        r = conn.getresponse()
+        assert r.status == 200
+        with pytest.raises((http.client.IncompleteRead, ConnectionResetError)):
+            r.read()
+        conn.close()
+    finally:
+        box["loop"].call_soon_threadsafe(box["loop"].stop)
+        t.join(5)
+        pool.shutdown()
+
+
 def test_the_broker_stops_cleanly_with_an_event_stream_open(tmp_path):
     import http.client
     from admin_helpers import basic

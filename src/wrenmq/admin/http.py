@@ -119,6 +119,17 @@ async def stream_from_thread(gen, executor):
         await loop.run_in_executor(executor, gen.close)
 
 
+async def _close_stream(stream):
+    """Close a response's stream (whether it was iterated or not: one that holds something,
+    a thread's reader or a slot, gives it back then)."""
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        try:
+            await close()
+        except RuntimeError:  # (still running: it is being closed by its own exception)
+            pass
+
+
 class HttpConnection(asyncio.Protocol):
     """One HTTP connection of an admin listener; `app(request)` answers each request."""
 
@@ -279,6 +290,7 @@ class HttpConnection(asyncio.Protocol):
                 log.exception("admin: %s %s from %s failed", request.method, request.path[:200], self.peer)
                 response = error_response(500, "internal error (the broker's log says more)")
             if self.closed:
+                await _close_stream(response.stream)
                 return
             if response.stream is not None:
                 await self._write_stream(response, request.method == "HEAD")
@@ -288,13 +300,23 @@ class HttpConnection(asyncio.Protocol):
             return
         except (h11.LocalProtocolError, ConnectionError) as e:
             log.debug("admin: answer to %s failed: %s", self.peer, e)
-            if self.transport is not None:
-                self.transport.abort()
-            self.closed = True
+            self._abort()
+            return
+        except Exception:
+            # A stream that failed after its 200 went out: the status cannot change any more,
+            # so the connection is cut, and the reader sees the answer end without its last chunk.
+            log.exception("admin: the answer to %s %s from %s failed while it was sent", request.method,
+                          request.path[:200], self.peer)
+            self._abort()
             return
         finally:
             self.task = None
         self._cycle()
+
+    def _abort(self):
+        if self.transport is not None:
+            self.transport.abort()
+        self.closed = True
 
     def _headers(self, response, length, close):
         headers = list(response.headers)
@@ -326,9 +348,9 @@ class HttpConnection(asyncio.Protocol):
         status = response.status
         self._send(h11.Response(status_code=status, reason=REASONS.get(status, "").encode(),
                                 headers=self._headers(response, 0 if head else None, False)))
-        if not head:
-            stream = response.stream
-            try:
+        stream = response.stream
+        try:
+            if not head:
                 async for chunk in stream:
                     if self.closed:
                         return
@@ -338,13 +360,8 @@ class HttpConnection(asyncio.Protocol):
                         await self.writable.wait()
                     if self.closed:
                         return
-            finally:
-                close = getattr(stream, "aclose", None)
-                if close is not None:
-                    try:
-                        await close()
-                    except RuntimeError:  # (still running: it is being closed by its own exception)
-                        pass
+        finally:
+            await _close_stream(stream)
         self._send(h11.EndOfMessage())
 
     def _cycle(self):

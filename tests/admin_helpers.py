@@ -29,7 +29,7 @@ def make_token(token_file, name, read_only=False):
 class AdminBroker:
     """`wrenmq serve` with an MQTT listener (its `port`) and an admin listener (`admin_port`)."""
 
-    def __init__(self, tmp_path, extra="", admin_keys=None, delay=0.3):
+    def __init__(self, tmp_path, extra="", admin_keys=None, delay=0.3, storage='fsync = "never"'):
         self.tmp = tmp_path
         self.admin_port = free_port()
         self.pwfile = make_password_file(tmp_path / "passwords")
@@ -42,7 +42,7 @@ class AdminBroker:
             "[[listener]]\nport = 0\n"
             f'[[listener]]\ntype = "admin"\nport = {self.admin_port}\n{keys}'
             f'[auth]\npassword_file = "{self.pwfile}"\nfailed_login_delay = {delay}\nallow_anonymous = true\n'
-            f'[storage]\ndata_dir = "{tmp_path / "data"}"\nfsync = "never"\n'
+            f'[storage]\ndata_dir = "{tmp_path / "data"}"\n{storage}\n'
             "[sys]\ninterval = 1\n" + extra)
         self.served = ServedBroker(tmp_path, self.config)
         self.port = self.served.port

@@ -150,7 +150,8 @@ def properties_json(props):
 # --- the API ---------------------------------------------------------------------------
 
 
-def _failure(status, data):
+def failure(status, data):
+    """A failed answer of another node (peers.ask_all) as one line."""
     if status is None:
         return str(data)
     return f"{status}: {data.get('error') if isinstance(data, dict) else data}"
@@ -179,7 +180,7 @@ class Api:
                 total += data["total"]
                 more = more or data["next"] is not None
             else:
-                unreachable[node] = _failure(status, data)
+                unreachable[node] = failure(status, data)
         items.sort(key=key)
         more = more or len(items) > limit
         items = items[:limit]
@@ -203,7 +204,7 @@ class Api:
         if not self._wide(request):
             return None
         answers = await self.peers.ask_all(request, method, request.path, body=body)
-        return {node: status if status in (200, 201, 204, 404) else _failure(status, data)
+        return {node: status if status in (200, 201, 204, 404) else failure(status, data)
                 for node, (status, data) in answers.items()}
 
     # --- clients ---
@@ -595,7 +596,7 @@ class Api:
                 if status == 200:
                     out["partitions"] += data["partitions"]
                 else:
-                    out.setdefault("unreachable", {})[node] = _failure(status, data)
+                    out.setdefault("unreachable", {})[node] = failure(status, data)
         return json_response(out)
 
     async def nodes(self, request):

@@ -7,11 +7,12 @@ says whether it changes state (`write`: read-only callers get 403) and whether i
 `public` (no credentials: only /health is).
 
 Modules add their routes with a `register(routes, admin)` function, listed in
-`ROUTE_MODULES` (api.py: the JSON API; dashboard.py: the page and /metrics). A handler that
-streams (Server-Sent Events, or a log read that runs in a thread) returns a `Response`
-with `stream=`: `http.stream_from_thread(generator, admin.executor)` runs a blocking
-generator in the listener's small thread pool one chunk at a time, so a long read never
-blocks the event loop and never runs ahead of the socket.
+`ROUTE_MODULES` (api.py: the JSON API; logread.py: the commit log for readers;
+dashboard.py: the page and /metrics). A handler that streams (Server-Sent Events, or a log
+read that runs in a thread) returns a `Response` with `stream=`:
+`http.stream_from_thread(generator, admin.executor)` runs a blocking generator in the
+listener's small thread pool one chunk at a time, so a long read never blocks the event
+loop and never runs ahead of the socket.
 
 Every request, in order: its route is found (404, or 405 with Allow), its caller is
 identified (auth.py: 401), a write needs a caller who may write (403) and, when a browser
@@ -27,7 +28,7 @@ from .auth import AdminAuth
 from .http import HttpError
 
 WRITE_METHODS = ("POST", "PUT", "PATCH", "DELETE")
-ROUTE_MODULES = ("wrenmq.admin.api", "wrenmq.admin.dashboard")
+ROUTE_MODULES = ("wrenmq.admin.api", "wrenmq.admin.logread", "wrenmq.admin.dashboard")
 THREADS = 4  # the listener's reader threads (stream_from_thread): at most this many at once
 
 

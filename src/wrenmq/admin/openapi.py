@@ -36,6 +36,20 @@ QUERY = {
     ("GET", "/api/v1/retained"): _PAGING + [
         _q("filter", "MQTT topic filter the topics match (default `#`; `$SYS/#` for the broker's own)."),
     ],
+    ("GET", "/api/v1/log/partitions"): [
+        _q("local", "true: this node's partitions only (not the cluster's).", "boolean"),
+    ],
+    ("GET", "/api/v1/log/partitions/{partition}/offset"): [
+        {**_q("timestamp", "Microseconds since the epoch.", "integer"), "required": True},
+    ],
+    ("GET", "/api/v1/log/partitions/{partition}/records"): [
+        {**_q("start", "First offset.", "integer"), "required": True},
+        {**_q("end", "End offset, exclusive; at most the partition's durable end (else 416).", "integer"),
+         "required": True},
+        _q("topics", "MQTT topic filters, comma separated or a JSON list: only records that match."),
+        _q("rows", "Rows per Arrow batch at most (default and maximum 131072).", "integer"),
+        _q("compression", "Arrow IPC buffer compression: none (default), lz4 or zstd."),
+    ],
 }
 
 _CLIENT = {
@@ -120,7 +134,27 @@ def _page_of(ref):
         "total": {"type": "integer"}, "next": {"type": ["string", "null"]}}}
 
 
+_SERVER = {
+    "type": "object",
+    "properties": {
+        "node": {"type": "string"}, "admin": {"type": "string", "description": "Its admin listener's URL."},
+        "start_offset": {"type": "integer"},
+        "end_offset": {"type": "integer", "description": "The durable end: nothing past it is served."},
+        "first_timestamp_us": {"type": ["integer", "null"]}, "last_timestamp_us": {"type": ["integer", "null"]},
+    },
+}
+_PARTITIONS = {"type": "object", "properties": {
+    "node": {"type": "string"},
+    "partitions": {"type": "array", "items": {"type": "object", "properties": {
+        "partition": {"type": "string"}, "start_offset": {"type": "integer"}, "end_offset": {"type": "integer"},
+        "servers": {"type": "array", "items": _SERVER}}}},
+    "unreachable": {"type": "object", "additionalProperties": {"type": "string"}}}}
+CONTENT = {  # answers that are not JSON
+    ("GET", "/api/v1/log/partitions/{partition}/records"): "application/vnd.apache.arrow.stream",
+}
+
 RESPONSES = {
+    ("GET", "/api/v1/log/partitions"): _PARTITIONS,
     ("GET", "/api/v1/clients"): _page_of("Client"),
     ("GET", "/api/v1/clients/{client_id}"): {"$ref": "#/components/schemas/Client"},
     ("GET", "/api/v1/subscriptions"): _page_of("Subscription"),
@@ -150,6 +184,8 @@ def document(routes):
         schema = RESPONSES.get(key)
         if schema is not None:
             op["responses"]["200"]["content"] = {"application/json": {"schema": schema}}
+        if key in CONTENT:
+            op["responses"]["200"]["content"] = {CONTENT[key]: {}}
         body = BODIES.get(key)
         if body is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {

@@ -1,7 +1,8 @@
 """Fixtures of the pipeline tests: ONE real local SparkSession (local[2]) for the whole run.
 
 The session starts with the first test that needs it and is stopped right after the last
-pipeline test, so its JVM does not idle through the rest of the suite.
+pipeline test, so its JVM does not idle through the rest of the suite. (The standalone
+network module runs a session of its own on a standalone master, after the others.)
 """
 
 import shutil
@@ -20,14 +21,22 @@ def java():
         pytest.skip("Spark needs Java 17+")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def spark(java):
+    """The local[2] session, made by the first test that asks and kept for the next ones
+    (made again when a module with a session of its own, a standalone cluster's, stopped it:
+    a process holds one SparkContext)."""
     pytest.importorskip("pyspark", reason="the pipeline extra is not installed")
+    from pyspark.sql import SparkSession
+
     from wrenmq.pipeline.spark import session
 
-    s = session("local[2]", app_name="wrenmq-tests", conf={"spark.sql.shuffle.partitions": "2"})
-    yield s
-    s.stop()
+    s = SparkSession.getActiveSession()
+    if s is None or s.sparkContext.master != "local[2]":
+        if s is not None:
+            s.stop()
+        s = session("local[2]", app_name="wrenmq-tests", conf={"spark.sql.shuffle.partitions": "2"})
+    return s
 
 
 def _in_here(item):

@@ -2,9 +2,12 @@
 
 import json
 import os
+import signal
+import subprocess
 import time
 
 from wrenmq.mqtt.codec import encode_properties
+from wrenmq.ports import free_port
 from wrenmq.store.format import encode_batch
 from wrenmq.store.log import CommitLog
 
@@ -111,3 +114,58 @@ def duckdb_counts(path):
     assert p.returncode == 0, p.stderr
     a, b = p.stdout.split()[:2]
     return int(a), int(b)
+
+
+class StandaloneSpark:
+    """A standalone master and `workers` workers (`cores` cores and `memory` each) as
+    subprocesses of pyspark's own launcher (`spark-class`), all on 127.0.0.1, logs in `tmp`."""
+
+    def __init__(self, tmp, workers=1, cores=1, memory="1g"):
+        import pyspark
+
+        home = os.path.dirname(pyspark.__file__)
+        self.launcher = os.path.join(home, "bin", "spark-class")
+        self.port = free_port()
+        self.url = f"spark://127.0.0.1:{self.port}"
+        self.work = tmp / "spark-worker"
+        self.works = [self.work] + [tmp / f"spark-worker-{i}" for i in range(1, workers)]
+        self.env = dict(os.environ, SPARK_HOME=home, SPARK_LOCAL_IP="127.0.0.1",
+                        SPARK_MASTER_OPTS="-Dspark.master.rest.enabled=false",
+                        SPARK_WORKER_DIR=str(self.work))
+        self.logs = {}
+        self.procs = []
+        self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                    "--port", str(self.port), "--webui-port", "0")
+        assert wait_for(lambda: "elected leader" in self.log("master"), 60, 0.2), self.log("master")[-3000:]
+        names = ["worker"] + [f"worker-{i}" for i in range(1, workers)]
+        for name, work in zip(names, self.works):
+            self._start(name, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", str(cores),
+                        "--memory", memory, "--webui-port", "0", "--work-dir", str(work), self.url)
+        for name in names:
+            assert wait_for(lambda: "Successfully registered with master" in self.log(name), 60, 0.2), \
+                self.log(name)[-3000:]
+
+    def _start(self, name, cls, *args):
+        path = self.logs[name] = self.work.parent / f"spark-{name}.log"
+        with open(path, "wb") as out:
+            self.procs.append(subprocess.Popen([self.launcher, cls, *args], stdout=out, stderr=subprocess.STDOUT,
+                                               env=self.env, start_new_session=True))
+
+    def apps(self):
+        """The application directories the workers made (one per app that ran executors there)."""
+        return [d for w in self.works if w.exists() for d in w.iterdir() if d.name.startswith("app-")]
+
+    def log(self, name):
+        return self.logs[name].read_text(errors="replace")
+
+    def stop(self):
+        for p in reversed(self.procs):
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)

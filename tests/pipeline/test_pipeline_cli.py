@@ -143,3 +143,61 @@ def test_demo_keeps_the_results_whose_paths_it_prints(java, tmp_path):
     assert os.path.isabs(example.group(1)) and example.group(1).startswith(kept.group(1) + os.sep)
     assert pq.read_table(example.group(1)).num_rows > 0
     assert kept.group(1).startswith(str(tmp_path))
+
+
+def test_brokers_option_errors_fail_before_spark_starts_and_replay_reads_over_the_network(
+        tmp_path, serve_broker, clients):
+    """`--brokers` (a running node's admin listener) is checked as `--data-dir` is: one
+    request, exit 2 with one line naming what is wrong, nothing left behind; `replay` reads
+    the same log over the network (no Spark), its MQTT 5 properties kept."""
+    from admin_helpers import PASSWORDS, AdminBroker
+    from wrenmq.ports import free_port
+
+    (tmp_path / "node").mkdir()
+    node = AdminBroker(tmp_path / "node")
+    try:
+        pub = clients(node.port, version=5)
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+        p = Properties(PacketTypes.PUBLISH)
+        p.ContentType = "text/plain"
+        for i in range(6):
+            pub.publish(f"net/{i % 2}", b"%d" % i, qos=1, properties=p).wait_for_publish(5)
+        (partition,) = os.listdir(tmp_path / "node" / "data" / "log")
+        admin = f"127.0.0.1:{node.admin_port}"
+        viewer = ["--user", "viewer", "--password", PASSWORDS["viewer"]]
+        cases = [
+            (["--brokers", "127.0.0.1"], "--brokers"),
+            (["--brokers", f"127.0.0.1:{free_port()}"], "no node of the cluster answered"),
+            (["--brokers", admin], "401"),
+            (["--brokers", admin, "--user", "viewer", "--password", "wrong"], "401"),
+            (["--brokers", admin, *viewer, "--starting-offsets", '{"elsewhere": 5}'],
+             "no log partition 'elsewhere'"),
+            (["--brokers", admin, *viewer, "--cafile", str(tmp_path / "none.pem")], "--cafile"),
+            (["--brokers", admin, "--user", "viewer", "--token", "t"], "not both"),
+        ]
+        for i, (args, expected) in enumerate(cases):
+            out = tmp_path / f"lake{i}"
+            r = pipeline("archive", *args, "--output", str(out), "--quiet", cwd=tmp_path)
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and len(lines) == 1 and expected in lines[0], (args, r.stderr)
+            assert r.seconds < 20 and not out.exists(), args
+        r = pipeline("archive", "--brokers", admin, "--data-dir", str(tmp_path), cwd=tmp_path)
+        assert r.returncode == 2 and "--data-dir or --brokers, not both" in r.stderr
+
+        # replay from the network: a cluster's log cannot tell its own broker, so the
+        # original topics need --same-topics.
+        other = serve_broker()
+        there = clients(other.port)
+        subscribe(there, "net/#", qos=1)
+        r = pipeline("replay", "--brokers", admin, *viewer, "--broker", f"127.0.0.1:{other.port}", "--quiet")
+        assert r.returncode == 2 and "--same-topics" in r.stderr, r.stderr
+        r = pipeline("replay", "--brokers", admin, *viewer, "--broker", f"127.0.0.1:{other.port}", "--same-topics",
+                     "--topics", "net/1", "--from-offset", "2", "--quiet")
+        assert r.returncode == 0, r.stderr
+        got = received(there)
+        assert [(m.topic, m.payload) for m in got] == [("net/1", b"3"), ("net/1", b"5")]
+        ups = dict(got[0].properties.UserProperty)
+        assert got[0].properties.ContentType == "text/plain" and ups["wrenmq-replay-of"] == f"{partition}:3"
+    finally:
+        node.stop()

@@ -111,7 +111,11 @@ def test_arrow_batches_match_spark_schema_and_decode_properties_once_per_block(d
     batches = list(read_arrow(r, 0, None))
     r.close()
     from pyspark.sql.pandas.types import to_arrow_schema
+
+    from wrenmq.store.arrow import SOURCE_SCHEMA
     assert spark_arrow_schema().equals(to_arrow_schema(SCHEMA, timezone="UTC"))
+    # (what the admin listener serves, built without pyspark, is exactly what Spark wants)
+    assert SOURCE_SCHEMA.equals(spark_arrow_schema(), check_metadata=True)
     out = [to_spark_batch(rb, "n1") for rb in batches]
     for rb in out:
         assert rb.schema.equals(spark_arrow_schema())

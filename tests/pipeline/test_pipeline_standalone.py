@@ -6,7 +6,6 @@ its tasks run in the worker's executor, a JVM and Python workers of their own.
 """
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,57 +14,9 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from wrenmq.ports import free_port  # noqa: E402
-
-from .pipeline_helpers import lake_offsets, wait_for  # noqa: E402
+from .pipeline_helpers import StandaloneSpark, lake_offsets  # noqa: E402
 
 WRENMQ = str(Path(sys.executable).with_name("wrenmq"))
-
-
-class StandaloneSpark:
-    """A standalone master and one worker (1 core, 1 GiB) as subprocesses, logs in `tmp`."""
-
-    def __init__(self, tmp):
-        import pyspark
-
-        home = os.path.dirname(pyspark.__file__)
-        self.launcher = os.path.join(home, "bin", "spark-class")
-        self.port = free_port()
-        self.url = f"spark://127.0.0.1:{self.port}"
-        self.work = tmp / "spark-worker"
-        self.env = dict(os.environ, SPARK_HOME=home, SPARK_LOCAL_IP="127.0.0.1",
-                        SPARK_MASTER_OPTS="-Dspark.master.rest.enabled=false",
-                        SPARK_WORKER_DIR=str(self.work))
-        self.logs = {}
-        self.procs = []
-        self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                    "--port", str(self.port), "--webui-port", "0")
-        assert wait_for(lambda: "elected leader" in self.log("master"), 60, 0.2), self.log("master")[-3000:]
-        self._start("worker", "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
-                    "--cores", "1", "--memory", "1g", "--webui-port", "0", self.url)
-        assert wait_for(lambda: "Successfully registered with master" in self.log("worker"), 60, 0.2), \
-            self.log("worker")[-3000:]
-
-    def _start(self, name, cls, *args):
-        path = self.logs[name] = self.work.parent / f"spark-{name}.log"
-        with open(path, "wb") as out:
-            self.procs.append(subprocess.Popen([self.launcher, cls, *args], stdout=out, stderr=subprocess.STDOUT,
-                                               env=self.env, start_new_session=True))
-
-    def log(self, name):
-        return self.logs[name].read_text(errors="replace")
-
-    def stop(self):
-        for p in reversed(self.procs):
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                continue
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
 
 
 def test_archive_runs_on_a_standalone_cluster_by_its_master_url(java, serve_broker, clients, tmp_path):

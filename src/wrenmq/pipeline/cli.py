@@ -3,6 +3,7 @@
 
 import argparse
 import logging
+import os
 import sys
 
 JOBS = ("archive", "topic-stats", "device-state", "usage", "replay")
@@ -30,7 +31,14 @@ def add_parsers(sub):
                "  usage         messages and bytes per client id per hour\n"
                "  replay        re-publish a range of the log to a broker (--broker; no Spark needed)\n")
     p.add_argument("job", choices=JOBS, metavar="JOB", help=" | ".join(JOBS))
-    p.add_argument("--data-dir", metavar="DIR", default="./data", help="the broker's data dir (default ./data); a cluster's nodes: several, comma separated")
+    p.add_argument("--data-dir", metavar="DIR", help="the broker's data dir (default ./data); a cluster's nodes: several, comma separated")
+    p.add_argument("--brokers", metavar="HOST:PORT,...",
+                   help="read a running cluster over the network instead: its nodes' admin listeners "
+                        "(any one is enough)")
+    p.add_argument("--user", "-u", help="--brokers: a user of the admin listeners (readonly_users is enough)")
+    p.add_argument("--password", "-P", help="--brokers: its password (or WRENMQ_PASSWORD)")
+    p.add_argument("--token", help="--brokers: an admin API token instead (or WRENMQ_TOKEN)")
+    p.add_argument("--cafile", metavar="FILE", help="--brokers: CA certificate(s) of HTTPS admin listeners")
     p.add_argument("--output", metavar="DIR", help="where the job writes (default ./lake/JOB)")
     p.add_argument("--checkpoint", metavar="DIR", help="checkpoint dir (default OUTPUT/_wrenmq/checkpoint)")
     p.add_argument("--master", metavar="URL", help="Spark master (default local[*])")
@@ -102,21 +110,40 @@ def add_parsers(sub):
     d.set_defaults(func=run_demo)
 
 
+def _source_args(args):
+    """(data_dir, brokers, user, password, token, cafile) of the command line; the password
+    and token may come from WRENMQ_PASSWORD and WRENMQ_TOKEN (not seen in `ps`)."""
+    if args.brokers and args.data_dir:
+        args.pipeline_parser.error("give --data-dir or --brokers, not both")
+    if not args.brokers:
+        for flag, value in (("--user", args.user), ("--password", args.password), ("--token", args.token),
+                            ("--cafile", args.cafile)):
+            if value is not None:
+                args.pipeline_parser.error(f"{flag} goes with --brokers")
+        return args.data_dir or "./data", None, None, None, None, None
+    password = args.password if args.password is not None else \
+        (os.environ.get("WRENMQ_PASSWORD") if args.user is not None else None)
+    token = args.token or (os.environ.get("WRENMQ_TOKEN") if args.user is None else None)
+    return None, args.brokers, args.user, password, token, args.cafile
+
+
 def run_pipeline(args):
     logging.getLogger("wrenmq").setLevel(logging.WARNING)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    data_dir, brokers, user, password, token, cafile = _source_args(args)
     if args.job == "replay":
         if not args.broker:
             args.pipeline_parser.error("replay needs --broker HOST:PORT, the broker to re-publish to")
-        return _replay(args)
+        return _replay(args, data_dir, brokers, user, password, token, cafile)
     from .common import OptionError
     from .jobs import JobOptions, run
 
     fields = []
     for f in args.field or ["value"]:
         fields += [x.strip() for x in f.split(",") if x.strip()]
-    o = JobOptions(data_dir=args.data_dir, output=args.output, checkpoint=args.checkpoint,
+    o = JobOptions(data_dir=data_dir or "./data", brokers=brokers, user=user, password=password, token=token,
+                   cafile=cafile, output=args.output, checkpoint=args.checkpoint,
                    master=args.master, once=args.once, trigger=args.trigger, topics=args.topics,
                    starting_offsets=args.starting_offsets, starting_timestamp=args.starting_timestamp,
                    max_records_per_trigger=args.max_records_per_trigger,
@@ -141,11 +168,12 @@ def run_pipeline(args):
         return 1
 
 
-def _replay(args):
+def _replay(args, data_dir, brokers, user, password, token, cafile):
     from .common import OptionError
     from .replay import ReplayOptions, replay
 
-    o = ReplayOptions(data_dir=args.data_dir, broker=args.broker, topics=args.topics,
+    o = ReplayOptions(data_dir=data_dir or "./data", brokers=brokers, source_user=user, source_password=password,
+                      source_token=token, cafile=cafile, broker=args.broker, topics=args.topics,
                       from_offset=args.from_offset, to_offset=args.to_offset, from_time=args.from_time,
                       to_time=args.to_time, prefix=args.prefix, strip_prefix=args.strip_prefix,
                       rate=args.rate, qos=args.qos, keep_retain=args.keep_retain, quiet=args.quiet,

@@ -160,16 +160,42 @@ def parse_offsets_spec(v, name):
     return {str(k): int(x) for k, x in d.items()}
 
 
+def _parse_seconds_ms(v, name, default):
+    n = _parse_int(v, name)
+    return default if n is None else n / 1000.0
+
+
 class Options:
-    """The parsed options; small and picklable (shipped to the workers)."""
+    """The parsed options; small and picklable (shipped to the workers).
+
+    `path` is data dirs (`root`: where the log partitions are), or `wrenmq://HOST:PORT,...`,
+    the admin listeners of a cluster's nodes (`net`: netlog.Net, with the credentials and
+    TLS options)."""
 
     def __init__(self, options):
+        from .netlog import DEFAULT_REQUEST_TIMEOUT, DEFAULT_RETRY_TIMEOUT, Net, is_network_path
+
         o = {str(k).lower(): v for k, v in dict(options).items()}
         path = o.get("path")
         if not path:
-            raise ValueError("wrenmq source: give the broker's data dir: .load(DIR) or option path")
+            raise ValueError("wrenmq source: give the broker's data dir (.load(DIR) or option path), "
+                             "or its admin listener: .load(\"wrenmq://HOST:PORT\")")
         self.path = str(path)
-        self.root = log_root(path)
+        self.root = self.net = None
+        if is_network_path(self.path):
+            compression = (o.get("compression") or "").strip().lower() or None
+            if compression not in (None, "none", "lz4", "zstd"):
+                raise ValueError(f"wrenmq source: option compression must be none, lz4 or zstd, got {compression!r}")
+            tls = o.get("tls")
+            self.net = Net(self.path, username=o.get("username"), password=o.get("password"), token=o.get("token"),
+                           cafile=o.get("cafile"), tls=None if tls is None else _parse_bool(tls, False),
+                           request_timeout=_parse_seconds_ms(o.get("requesttimeoutms"), "requestTimeoutMs",
+                                                             DEFAULT_REQUEST_TIMEOUT),
+                           retry_timeout=_parse_seconds_ms(o.get("retrytimeoutms"), "retryTimeoutMs",
+                                                           DEFAULT_RETRY_TIMEOUT),
+                           compression=None if compression == "none" else compression)
+        else:
+            self.root = log_root(path)
         self.topics = parse_topics(o.get("topics"))
         self.starting = parse_offsets_spec(o.get("startingoffsets"), "startingOffsets") or "earliest"
         self.starting_ts = parse_time_us(o.get("startingtimestamp"))
@@ -196,6 +222,22 @@ def resolve(spec, node, reader, default):
         else:
             return v
     return reader.start_offset if spec == "earliest" else reader.durable_end_offset
+
+
+def open_readers(opts, retry=False):
+    """The driver's view of the log partitions: `Readers` over data dirs, or
+    `netlog.NetReaders` over a cluster's admin listeners (the same interface; `retry`: a
+    listing no node answers is asked again for a while, as a streaming query wants)."""
+    if opts.net is not None:
+        from .netlog import NetReaders
+        return NetReaders(opts.net, retry)
+    return Readers(opts.root)
+
+
+def time_offset(reader, ts_us):
+    """The first offset at or after `ts_us` among the records the source may read (the
+    durable ones); the durable end if there is none (as the admin listener answers)."""
+    return min(reader.offset_for_time(ts_us), reader.durable_end_offset)
 
 
 class Readers:
@@ -231,7 +273,7 @@ def starting_offsets(opts, readers):
     out = {}
     for node, r in readers.items():
         if opts.starting_ts is not None:
-            out[node] = r.offset_for_time(opts.starting_ts)
+            out[node] = time_offset(r, opts.starting_ts)
         else:
             out[node] = resolve(opts.starting, node, r, "earliest")
     return sorted_offsets(out)

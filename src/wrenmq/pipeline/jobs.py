@@ -19,7 +19,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from .common import OptionError, check_log, parse_offsets_spec, parse_time_us, parse_topics
+from .common import OptionError, check_log, data_dir_specs, parse_offsets_spec, parse_time_us, parse_topics
 from .sink import AtomicParquetSink
 
 log = logging.getLogger("wrenmq.pipeline")
@@ -34,6 +34,13 @@ ORIGINAL_TIMESTAMP = "wrenmq-original-timestamp"
 @dataclass
 class JobOptions:
     data_dir: str = "./data"
+    # A running cluster instead: its nodes' admin listeners, HOST:PORT comma separated (any
+    # one is enough), and how to reach them.
+    brokers: str = None
+    user: str = None
+    password: str = None
+    token: str = None
+    cafile: str = None
     output: str = None
     checkpoint: str = None
     master: str = None
@@ -61,6 +68,12 @@ class JobOptions:
     # device-state
     flatten: bool = True
 
+    def source_path(self):
+        """What the source loads: `wrenmq://` and the brokers, or the data dir(s)."""
+        if self.brokers:
+            return "wrenmq://" + self.brokers
+        return ",".join(os.path.abspath(p) for p in data_dir_specs(self.data_dir))
+
     def output_dir(self, job):
         return os.path.abspath(self.output or os.path.join("lake", job))
 
@@ -85,6 +98,11 @@ def source_options(o):
     if o.max_records_per_partition:
         opts["maxRecordsPerPartition"] = str(o.max_records_per_partition)
     opts["failOnDataLoss"] = "true" if o.fail_on_data_loss else "false"
+    if o.brokers:
+        for key, value in (("username", o.user), ("password", o.password), ("token", o.token),
+                           ("cafile", os.path.abspath(o.cafile) if o.cafile else None)):
+            if value is not None:
+                opts[key] = value
     return opts
 
 
@@ -92,7 +110,7 @@ def read_stream(spark, o):
     r = spark.readStream.format("wrenmq")
     for k, v in source_options(o).items():
         r = r.option(k, v)
-    return r.load(os.path.abspath(o.data_dir))
+    return r.load(o.source_path())
 
 
 def _start(df, o, job, func, name=None, mode="append"):
@@ -418,7 +436,7 @@ def check_options(job, o):
 
     if job not in STARTERS:
         raise OptionError(f"unknown job {job!r} (jobs: {', '.join(STARTERS)})")
-    nodes = check_log(o.data_dir)
+    nodes = check_source(o)
     try:
         spec = parse_offsets_spec(o.starting_offsets, "startingOffsets")
     except ValueError:
@@ -428,7 +446,7 @@ def check_options(job, o):
         unknown = sorted(set(spec) - set(nodes))
         if unknown:
             raise OptionError(f"--starting-offsets: no log partition {', '.join(map(repr, unknown))} in "
-                              f"{o.data_dir} (there: {', '.join(nodes)})")
+                              f"{o.brokers or o.data_dir} (there: {', '.join(nodes)})")
         bad = {n: v for n, v in spec.items() if v < -2}
         if bad:
             raise OptionError(f"--starting-offsets: offsets are >= 0 (or -2 earliest, -1 latest), got {bad}")
@@ -460,6 +478,41 @@ def check_options(job, o):
             raise OptionError(f"{flag}: {path} exists and is not a directory")
 
 
+def check_source(o):
+    """The log partitions the job will read ({node: where}), or OptionError: a data dir
+    without a commit log, or brokers that cannot be reached, refuse the credentials, fail
+    TLS or serve no partition (one request to them, a second or so: no Spark)."""
+    if not o.brokers:
+        return check_log(o.data_dir)
+    from .netlog import AccessRefused, Net, NetError, list_partitions
+
+    if o.cafile and not os.path.isfile(o.cafile):
+        raise OptionError(f"--cafile: {o.cafile} is not a file")
+    if o.password is not None and o.user is None:
+        raise OptionError("--password: give --user too")
+    if o.token and o.user is not None:
+        raise OptionError("--token: give --user/--password or --token, not both")
+    try:
+        net = Net("wrenmq://" + o.brokers, o.user, o.password, o.token, o.cafile, request_timeout=10.0)
+    except ValueError as e:
+        raise OptionError(f"--brokers: {str(e).removeprefix('wrenmq source: ')} (expected HOST:PORT of the "
+                          "nodes' admin listeners, comma separated)") from None
+    try:
+        listing = list_partitions(net)
+    except AccessRefused as e:
+        if e.status is None:  # (TLS)
+            raise OptionError(f"--brokers: {e}") from None
+        creds = "--token" if o.token else "--user/--password" if o.user is not None else \
+            "no credentials were given: --user/--password or --token"
+        raise OptionError(f"--brokers: {e} ({creds})") from None
+    except NetError as e:
+        raise OptionError(f"--brokers: {str(e).removeprefix('wrenmq source: ')}") from None
+    if not listing:
+        raise OptionError(f"--brokers {o.brokers}: the cluster serves no log partition (no node has a commit "
+                          "log, or none answers)")
+    return {p: tuple(s["admin"] for s in servers) for p, servers in listing.items()}
+
+
 def run(job, o, spark=None, console=None):
     """Run one job to completion (`once`) or until interrupted (`continuous`); return 0 on
     success. Raises OptionError (before any Spark starts) for options that cannot work."""
@@ -474,7 +527,7 @@ def run(job, o, spark=None, console=None):
         spark = session(o.master, app_name=f"wrenmq-{job}", conf=o.spark_conf, ui=o.ui)
     try:
         q = STARTERS[job](spark, o)
-        Monitor([(job, q)], o.data_dir, once=o.once, quiet=o.quiet, console=console,
+        Monitor([(job, q)], o.source_path(), once=o.once, quiet=o.quiet, console=console,
                 checkpoints={job: o.checkpoint_dir(job)}, source_opts=source_options(o),
                 duration=None if o.once else o.duration).run()
         exc = q.exception()

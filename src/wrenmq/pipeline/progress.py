@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from .common import Options, Readers, log_root, starting_offsets as _starting_offsets
+from .common import Options, open_readers, starting_offsets as _starting_offsets
 
 
 def _offsets(v):
@@ -43,22 +43,24 @@ def checkpoint_offsets(checkpoint):
     return _offsets(lines[2]) if len(lines) > 2 else None
 
 
-def log_ends(data_dir):
-    """Each partition's durable end: what the source can read (LogReader.durable_end_offset)."""
-    readers = Readers(log_root(data_dir))
+def log_ends(path, source_opts=None):
+    """Each partition's durable end: what the source can read (LogReader.durable_end_offset),
+    of data dirs or (`wrenmq://...`) a cluster's admin listeners."""
+    readers = open_readers(Options({**(source_opts or {}), "path": path}))
     try:
         return {n: r.durable_end_offset for n, r in readers.refresh().items()}
     finally:
         readers.close()
 
 
-def first_offsets(data_dir, checkpoint, source_opts):
+def first_offsets(path, checkpoint, source_opts):
     start = checkpoint_offsets(checkpoint) if checkpoint else None
     if start is not None:
         return start
-    readers = Readers(log_root(data_dir))
+    opts = Options({**(source_opts or {}), "path": path})
+    readers = open_readers(opts)
     try:
-        return _starting_offsets(Options({**(source_opts or {}), "path": data_dir}), readers.refresh())
+        return _starting_offsets(opts, readers.refresh())
     finally:
         readers.close()
 
@@ -84,10 +86,10 @@ def batch_line(name, p):
 class Monitor:
     """Follow queries [(name, StreamingQuery)] until they end (or `duration` seconds)."""
 
-    def __init__(self, queries, data_dir, once=True, quiet=False, console=None, checkpoints=None,
+    def __init__(self, queries, path, once=True, quiet=False, console=None, checkpoints=None,
                  source_opts=None, duration=None, out=None, stop_at_end=True):
         self.queries = queries
-        self.data_dir = data_dir
+        self.path = path  # the source's: data dir(s), or wrenmq://... (source_opts: its credentials)
         self.once = once
         self.quiet = quiet
         self.console = console
@@ -174,14 +176,14 @@ class Monitor:
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                    TimeElapsedColumn)
 
-        ends = log_ends(self.data_dir)
+        ends = log_ends(self.path, self.source_opts)
         tasks = {}
         console = self.console or Console(stderr=True)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("records"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
                       console=console, transient=False) as bar:
             for name, _ in self.queries:
-                start = first_offsets(self.data_dir, self.checkpoints.get(name), self.source_opts)
+                start = first_offsets(self.path, self.checkpoints.get(name), self.source_opts)
                 total = sum(max(0, e - start.get(n, 0)) for n, e in ends.items())
                 tasks[name] = (bar.add_task(name, total=total, rate=""), start)
             while True:

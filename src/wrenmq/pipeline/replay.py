@@ -11,13 +11,17 @@ payload, QoS and MQTT 5 properties and gets two user properties:
 (`device-state` uses the latter, so a replay never makes old values look new.) The retain flag
 is dropped unless `keep_retain`. The publisher is a paho MQTT 5 client with a bounded window of
 unacknowledged messages, a rate limit (messages/s, 0 = as fast as the broker takes them) and
-a rich progress bar. This job needs no Spark: it is a sequential copy from the log's files.
+a rich progress bar. This job needs no Spark: it is a sequential copy from the log's files,
+or with `brokers` from a running cluster's admin listeners (the rows the Spark source reads).
 
 The target broker is always given. Into the broker that owns the log (the data dir's lock
 file says where it listens) the topics must change (a prefix), or `same_topics` be set:
 under the original topics its subscribers would get every message again (check_target).
+A cluster read over the network does not say where its MQTT listeners are, so from
+`brokers` a replay under the original topics always needs `same_topics`.
 """
 
+import datetime as _dt
 import heapq
 import json
 import os
@@ -26,10 +30,14 @@ import uuid
 from dataclasses import dataclass
 
 from ..store.lock import data_dir_owner, serves_at
-from ..store.reader import LogReader
 from ..store.store import parse_properties_block
 from .jobs import ORIGINAL_TIMESTAMP, REPLAY_OF
-from .common import OptionError, check_log, data_dir_specs, list_partitions, log_root, parse_time_us, parse_topics
+from .common import (OptionError, Options, check_log, data_dir_specs, open_readers, parse_time_us, parse_topics,
+                     time_offset)
+from .netlog import read_range
+
+_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+_US = _dt.timedelta(microseconds=1)
 
 
 class ReplayRefused(OptionError):
@@ -39,6 +47,12 @@ class ReplayRefused(OptionError):
 @dataclass
 class ReplayOptions:
     data_dir: str = "./data"
+    # Or a running cluster's log over the network (as JobOptions: its admin listeners).
+    brokers: str = None
+    source_user: str = None
+    source_password: str = None
+    source_token: str = None
+    cafile: str = None
     broker: str = None        # "host:port" of the broker to publish to: required
     topics: str = None
     from_offset: str = None   # int (every partition) or JSON {"node": offset}
@@ -103,6 +117,14 @@ def check_target(o):
     if o.prefix or o.same_topics:
         return
     host, port = _broker_address(o.broker)
+    if o.brokers:
+        # The target cannot be told from the cluster's nodes (their MQTT listeners are not
+        # known from their admin listeners): under the original topics, it must be said.
+        raise ReplayRefused(
+            f"replaying a cluster's log (--brokers) into {o.broker} under the original topics: if {o.broker} is "
+            f"a node of that cluster, its subscribers get every message again and it records each twice. Give "
+            f"--prefix (e.g. --prefix replay/) to publish them under new topics, or --same-topics if {o.broker} "
+            f"is another broker or that is what you want.")
     for spec in data_dir_specs(o.data_dir):
         d = os.path.abspath(os.path.expanduser(spec))
         for data_dir in (d, os.path.dirname(d)) if os.path.basename(d) == "log" else (d,):
@@ -122,7 +144,12 @@ def check_options(o):
     if not o.broker:
         raise OptionError("--broker: give the broker to publish to (HOST:PORT)")
     _broker_address(o.broker)
-    check_log(o.data_dir)
+    if o.brokers:
+        from .jobs import JobOptions, check_source
+        check_source(JobOptions(brokers=o.brokers, user=o.source_user, password=o.source_password,
+                                token=o.source_token, cafile=o.cafile))
+    else:
+        check_log(o.data_dir)
     _check_offsets("--from-offset", o.from_offset)
     _check_offsets("--to-offset", o.to_offset)
     for flag, value in (("--from-time", o.from_time), ("--to-time", o.to_time)):
@@ -134,13 +161,26 @@ def check_options(o):
     check_target(o)
 
 
+def _source(o):
+    """The source's Options for the log `o` replays (data dirs or brokers)."""
+    if not o.brokers:
+        return Options({"path": o.data_dir})
+    opts = {"path": "wrenmq://" + o.brokers}
+    for key, value in (("username", o.source_user), ("password", o.source_password),
+                       ("token", o.source_token), ("cafile", o.cafile)):
+        if value is not None:
+            opts[key] = value
+    return Options(opts)
+
+
 def plan(o):
-    """[(node, reader, start, end)] for the requested range (readers left open)."""
+    """[(node, reader, start, end)] for the requested range (readers left open): LogReaders,
+    or the partitions a cluster lists (netlog.NetPartitionView) with `--brokers`."""
     out = []
     from_ts = parse_time_us(o.from_time)
     to_ts = parse_time_us(o.to_time)
-    for node, d in list_partitions(log_root(o.data_dir)).items():
-        r = LogReader(d)
+    readers = open_readers(_source(o)).refresh()
+    for node, r in readers.items():
         start, end = r.start_offset, r.durable_end_offset  # (never what a crash can take back)
         f = _per_node(o.from_offset, node)
         if f is not None:
@@ -149,9 +189,9 @@ def plan(o):
         if t is not None:
             end = min(end, t)
         if from_ts is not None:
-            start = max(start, r.offset_for_time(from_ts))
+            start = max(start, time_offset(r, from_ts))
         if to_ts is not None:
-            end = min(end, r.offset_for_time(to_ts))
+            end = min(end, time_offset(r, to_ts))
         if end > start:
             out.append((node, r, start, end))
         else:
@@ -164,7 +204,8 @@ def _properties(rec, node, qos_props):
     from paho.mqtt.properties import Properties
 
     p = Properties(PacketTypes.PUBLISH)
-    props = parse_properties_block(rec.properties) if rec.properties else {}
+    props = rec.properties if isinstance(rec.properties, dict) else \
+        parse_properties_block(rec.properties) if rec.properties else {}
     if "payload_format_indicator" in props:
         p.PayloadFormatIndicator = props["payload_format_indicator"]
     if "message_expiry_interval" in props:
@@ -182,9 +223,36 @@ def _properties(rec, node, qos_props):
     return p
 
 
-def _records(node, reader, start, end, topics):
-    for r in reader.records(start, end, topics):
-        yield (r.timestamp, node, r.offset, r)
+def _records(node, reader, start, end, topics, net=None):
+    if net is None:
+        for r in reader.records(start, end, topics):
+            yield (r.timestamp, node, r.offset, r)
+        return
+    for rb in read_range(net, node, reader.urls, start, end, topics):
+        for row in rb.to_pylist():
+            r = NetRecord(row)
+            yield (r.timestamp, node, r.offset, r)
+
+
+class NetRecord:
+    """A row the admin listener served (the source's schema) as replay uses a log Record."""
+
+    __slots__ = ("offset", "timestamp", "topic", "qos", "retain", "payload", "properties")
+
+    def __init__(self, row):
+        self.offset = row["offset"]
+        ts = row["timestamp"]
+        self.timestamp = (ts - _EPOCH) // _US
+        self.topic = row["topic"]
+        self.qos = row["qos"]
+        self.retain = row["retain"]
+        self.payload = row["payload"]
+        props = row["properties"]
+        self.properties = None
+        if props is not None:
+            self.properties = {k: v for k, v in props.items() if v is not None and k != "user_properties"}
+            if props.get("user_properties"):
+                self.properties["user_property"] = [(u["key"], u["value"]) for u in props["user_properties"]]
 
 
 def replay(o, console=None):
@@ -226,7 +294,8 @@ def replay(o, console=None):
         bar.start()
         task = bar.add_task("replay", total=total)
     try:
-        streams = [_records(n, r, s, e, topics) for n, r, s, e in parts]
+        net = _source(o).net
+        streams = [_records(n, r, s, e, topics, net) for n, r, s, e in parts]
         starts = {n: s for n, _, s, _ in parts}
         last_update = 0.0
         for ts, node, off, rec in heapq.merge(*streams, key=lambda x: (x[0], x[1], x[2])):

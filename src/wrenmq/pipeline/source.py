@@ -2,6 +2,8 @@
 
     spark.dataSource.register(WrenDataSource)        # wrenmq.pipeline.spark.session() does it
     df = spark.read.format("wrenmq").load("/var/lib/wrenmq")
+    df = spark.read.format("wrenmq").option("username", "spark").option("password", pw)
+         .load("wrenmq://node-a:8081,node-b:8081")           # a running cluster, over the network
     stream = (spark.readStream.format("wrenmq").option("topics", "sensors/#")
               .option("maxRecordsPerTrigger", 100000).load("/var/lib/wrenmq"))
 
@@ -10,17 +12,24 @@ its node id); offsets are dense per partition. An offset of the source is a JSON
 `{"<node>": <next offset>, ...}` with its keys in sorted order (Spark compares offsets as
 serialized JSON), so a checkpointed query goes on where it stopped, also after nodes are added.
 
-Driver-side state (open `LogReader`s, the availableNow target) lives in the reader objects;
-`read()` runs on pickled copies in the Python workers and is stateless: it opens the partition,
-reads the planned offset range with `wrenmq.store.arrow.read_arrow` (Arrow arrays over the log's
-bytes, topic filters applied per distinct topic) and yields pyarrow RecordBatches in Spark's
-exact Arrow schema. The only per-row Python work is decoding the MQTT 5 property blocks of the
-rows that have one, once per distinct block.
+With `wrenmq://HOST:PORT,...` the partitions are those the cluster's nodes serve on their
+admin listeners (any one node lists them all, admin/logread.py), and each task reads its
+offset range over HTTP from a node that serves it (netlog.py): no executor opens a file of
+the log. Offsets, options, schema and checkpoints are the same in both forms.
+
+Driver-side state (open `LogReader`s or the cluster's listing, the availableNow target) lives
+in the reader objects; `read()` runs on pickled copies in the Python workers and is stateless:
+it reads the planned offset range with `wrenmq.store.arrow.read_source` (Arrow arrays over the
+log's bytes, topic filters applied per distinct topic), or receives the same rows as an Arrow
+IPC stream, and yields pyarrow RecordBatches in Spark's exact Arrow schema. The only per-row
+Python work is decoding the MQTT 5 property blocks of the rows that have one, once per
+distinct block (on the node, over the network).
 
 Options (case-insensitive), in the style of Spark's Kafka source:
 
     path                    the broker's data dir (holds log/<node>/); or the log/ dir itself;
-                            or several, comma separated: a cluster's nodes, read together
+                            or several, comma separated: a cluster's nodes, read together;
+                            or wrenmq://HOST:PORT[,HOST:PORT...]: nodes' admin listeners
     topics                  MQTT filters, comma separated (or a JSON list); pushed down
     startingOffsets         earliest (default) | latest | {"node": offset, ...}  (-2 earliest, -1 latest)
     startingTimestamp       start at the first record with timestamp >= this (ms since the epoch,
@@ -31,6 +40,15 @@ Options (case-insensitive), in the style of Spark's Kafka source:
     maxRecordsPerPartition  split a partition's range into Spark partitions of at most this many
                             records (default 250000)
     failOnDataLoss          true (default): fail when planned records were deleted by retention
+  over the network only:
+    username, password      HTTP Basic: a user of the admin listener (readonly_users is enough)
+    token                   or an API token (wrenmq admin token add NAME --read-only)
+    cafile                  CA certificate(s) of an HTTPS listener (implies tls)
+    tls                     true: https:// with the system's CAs (default: true if cafile is given)
+    requestTimeoutMs        a request's socket timeout (default 30000)
+    retryTimeoutMs          how long a read keeps trying a partition's servers without progress
+                            (default 120000)
+    compression             Arrow IPC buffer compression over the wire: none (default), lz4, zstd
 """
 
 import logging
@@ -40,7 +58,10 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStrea
 from pyspark.sql.types import (ArrayType, BinaryType, BooleanType, IntegerType, LongType, StringType,
                                StructField, StructType, TimestampType)
 
-from .common import Options, Readers, check_loss, resolve, sorted_offsets, starting_offsets
+from wrenmq.store import arrow as arrow_rows
+
+from .common import Options, check_loss, open_readers, resolve, sorted_offsets, starting_offsets, time_offset
+from .netlog import read_range
 
 try:  # pyspark >= 4.2
     from pyspark.sql.streaming.datasource import (ReadAllAvailable, ReadMaxRows,
@@ -54,8 +75,7 @@ except ImportError:  # pragma: no cover - older pyspark: no admission control
 log = logging.getLogger("wrenmq.pipeline")
 
 FORMAT = "wrenmq"
-COALESCE_ROWS = int(os.environ.get("WRENMQ_COALESCE_ROWS", "131072"))
-COALESCE_BYTES = 32 << 20
+COALESCE_ROWS = int(os.environ.get("WRENMQ_COALESCE_ROWS", str(arrow_rows.COALESCE_ROWS)))
 
 USER_PROPERTY_TYPE = StructType([StructField("key", StringType()), StructField("value", StringType())])
 PROPERTIES_TYPE = StructType([
@@ -77,12 +97,14 @@ SCHEMA = StructType([
     StructField("payload", BinaryType(), False),
     StructField("properties", PROPERTIES_TYPE, True),  # null when the message had none
 ])
-_PLAIN_PROPS = ("payload_format_indicator", "message_expiry_interval", "content_type",
-                "response_topic", "correlation_data")
+
+# The rows as Arrow: store.arrow builds them (the admin listener serves the same over HTTP).
+properties_column = arrow_rows.properties_column
+to_spark_batch = arrow_rows.to_source_batch
 
 
 class LogPartition(InputPartition):
-    """Records [start, end) of one log partition."""
+    """Records [start, end) of one log partition, read from its directory."""
 
     def __init__(self, node, directory, start, end):
         self.node = node
@@ -94,12 +116,28 @@ class LogPartition(InputPartition):
         return f"LogPartition({self.node!r}, {self.start}, {self.end})"
 
 
-def split_ranges(node, directory, start, end, max_records):
+class NetPartition(InputPartition):
+    """Records [start, end) of one log partition, read over HTTP from one of `urls` (the
+    admin listeners of the nodes that serve it, preferred first)."""
+
+    def __init__(self, node, urls, start, end):
+        self.node = node
+        self.urls = tuple(urls)
+        self.start = start
+        self.end = end
+
+    def __repr__(self):
+        return f"NetPartition({self.node!r}, {self.start}, {self.end}, {', '.join(self.urls)})"
+
+
+def split_ranges(node, where, start, end, max_records, net=False):
+    """[start, end) of a partition as input partitions of at most `max_records` records;
+    `where` is its directory, or with `net` the URLs that serve it."""
     out = []
     s = start
     while s < end:
         e = min(end, s + max_records) if max_records else end
-        out.append(LogPartition(node, directory, s, e))
+        out.append(NetPartition(node, where, s, e) if net else LogPartition(node, where, s, e))
         s = e
     return out
 
@@ -110,7 +148,8 @@ _ARROW = {}
 
 
 def spark_arrow_schema():
-    """The Arrow schema Spark expects from read() (computed by pyspark itself, cached)."""
+    """The Arrow schema Spark expects from read() (computed by pyspark itself, cached);
+    store.arrow.SOURCE_SCHEMA is the same, built without pyspark."""
     s = _ARROW.get("schema")
     if s is None:
         from pyspark.sql.pandas.types import to_arrow_schema
@@ -118,124 +157,8 @@ def spark_arrow_schema():
     return s
 
 
-def _decode_block(block):
-    from wrenmq.store.store import parse_properties_block
-
-    if not block:
-        return None
-    try:
-        props = parse_properties_block(block)
-    except Exception as e:  # a malformed block: never fail the job for it
-        log.warning("cannot decode an MQTT 5 property block (%s); properties set to null", e)
-        return None
-    row = {k: props.get(k) for k in _PLAIN_PROPS}
-    ups = props.get("user_property")
-    row["user_properties"] = [{"key": k, "value": v} for k, v in ups] if ups else None
-    return row
-
-
-def _data_bytes(col):
-    """Bytes of value data in a binary array (its offsets buffer, read at the two ends)."""
-    import numpy as np
-
-    offs = np.frombuffer(col.buffers()[1], dtype=np.int32)
-    return int(offs[col.offset + len(col)] - offs[col.offset])
-
-
-def properties_column(col, arrow_type):
-    """Raw MQTT 5 property blocks (binary array) -> the `properties` struct array.
-
-    Null where a row has no properties (checked without a loop); otherwise each distinct
-    block is decoded once (dictionary encoding) and the struct rows are gathered by index.
-    """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    n = len(col)
-    if n == 0 or _data_bytes(col) == 0:
-        return pa.nulls(n, arrow_type)
-    enc = col.dictionary_encode()
-    values = [_decode_block(b) for b in enc.dictionary.to_pylist()]
-    return pc.take(pa.array(values, type=arrow_type), enc.indices)
-
-
-def to_spark_batch(rb, node):
-    """A `wrenmq.store.arrow` RecordBatch (+ the partition's node) in Spark's Arrow schema."""
-    import pyarrow as pa
-
-    schema = spark_arrow_schema()
-    n = rb.num_rows
-    cols = rb.columns
-    return pa.RecordBatch.from_arrays([
-        cols[0],                                          # offset
-        pa.repeat(pa.scalar(node, pa.string()), n),       # node
-        cols[1],                                          # timestamp
-        cols[2],                                          # topic
-        cols[3],                                          # qos
-        cols[4],                                          # retain
-        cols[5],                                          # client_id
-        cols[6],                                          # payload
-        properties_column(cols[7], schema.field("properties").type),
-    ], schema=schema)
-
-
-def _coalesced(batches):
-    """Merge the log's small group-commit batches into RecordBatches of ~COALESCE_ROWS rows
-    (at most ~COALESCE_BYTES, far from the 2 GiB limit of 32-bit binary offsets)."""
-    import pyarrow as pa
-
-    pending = []
-    rows = size = 0
-    for rb in batches:
-        if not pending and rb.num_rows >= COALESCE_ROWS:
-            yield rb
-            continue
-        pending.append(rb)
-        rows += rb.num_rows
-        size += rb.get_total_buffer_size()  # O(columns); nbytes walks the slices
-        if rows >= COALESCE_ROWS or size >= COALESCE_BYTES:
-            yield _concat(pa, pending)
-            pending = []
-            rows = size = 0
-    if pending:
-        yield _concat(pa, pending)
-
-
-def _concat(pa, batches):
-    if len(batches) == 1:
-        return batches[0]
-    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
-
-
-def _batch_start(reader, start, end):
-    """The first offset of the log batch holding `start`.
-
-    `read_arrow` trims a batch that begins before `start` by row position, which is wrong
-    when the batch holds private records (filtered out before the trim); asking it for the
-    whole batch and trimming by offset here stays correct either way.
-    """
-    for b in reader.batches(start, end):
-        base = getattr(b, "base", None)
-        if base is None:
-            recs = list(getattr(b, "good", b) or ())
-            base = recs[0].offset if recs else start
-        return min(start, base)
-    return start
-
-
-def _from_offset(batches, start):
-    import pyarrow.compute as pc
-
-    for rb in batches:
-        if rb.num_rows and rb.column(0)[0].as_py() < start:
-            rb = rb.filter(pc.greater_equal(rb.column(0), start))
-        if rb.num_rows:
-            yield rb
-
-
 def read_partition(part, topics, fail_on_data_loss=True):
     """Yield Spark-schema RecordBatches of one planned LogPartition (runs in the workers)."""
-    from wrenmq.store.arrow import read_arrow
     from wrenmq.store.reader import LogReader
 
     if not os.path.isdir(part.directory):
@@ -255,17 +178,21 @@ def read_partition(part, topics, fail_on_data_loss=True):
             start = reader.start_offset
         if start >= part.end:
             return
-        aligned = _batch_start(reader, start, part.end)
-        batches = read_arrow(reader, aligned, part.end, topics)
-        if aligned < start:
-            batches = _from_offset(batches, start)
-        for rb in _coalesced(batches):
-            yield to_spark_batch(rb, part.node)
+        yield from arrow_rows.read_source(reader, part.node, start, part.end, topics, COALESCE_ROWS)
         if reader.corrupt_records:
             log.error("wrenmq source: %d damaged record(s) in partition %r offsets %d-%d were skipped",
                       reader.corrupt_records, part.node, start, part.end - 1)
     finally:
         reader.close()
+
+
+def read_any(part, opts):
+    """The rows of a planned partition, from its directory or over the network."""
+    if part.end <= part.start:
+        return iter(())
+    if isinstance(part, NetPartition):
+        return read_range(opts.net, part.node, part.urls, part.start, part.end, opts.topics, opts.fail_on_data_loss)
+    return read_partition(part, opts.topics, opts.fail_on_data_loss)
 
 
 # --- the driver side ---------------------------------------------------------------------------------
@@ -287,42 +214,51 @@ class WrenDataSource(DataSource):
         return WrenStreamReader(Options(self.options))
 
 
+def _plan(opts, readers, node, start, end):
+    """The input partitions of [start, end) of `node`: its directory, or the URLs that
+    serve it (those last listed, or any node known when it is not listed now: the read
+    then waits for a server to come back, see netlog.read_range)."""
+    if opts.net is not None:
+        urls = readers.servers.get(node) or tuple(readers.known)
+        return split_ranges(node, urls, start, end, opts.max_per_partition, net=True)
+    where = readers.dirs.get(node) or os.path.join(_first(opts.root), node)
+    return split_ranges(node, where, start, end, opts.max_per_partition)
+
+
 class WrenBatchReader(DataSourceReader):
     def __init__(self, opts):
         self.opts = opts
 
     def partitions(self):
         opts = self.opts
-        readers = Readers(opts.root)
+        readers = open_readers(opts)
         try:
             parts = []
             for node, r in readers.refresh().items():
                 if opts.starting_ts is not None:
-                    start = r.offset_for_time(opts.starting_ts)
+                    start = time_offset(r, opts.starting_ts)
                 else:
                     start = resolve(opts.starting, node, r, "earliest")
                 if opts.ending_ts is not None:
-                    end = r.offset_for_time(opts.ending_ts)
+                    end = time_offset(r, opts.ending_ts)
                 else:
                     end = resolve(opts.ending, node, r, "latest")
                 end = min(end, r.durable_end_offset)
                 start = check_loss(node, start, r, opts.fail_on_data_loss and isinstance(opts.starting, dict))
-                parts.extend(split_ranges(node, readers.dirs[node], start, end, opts.max_per_partition))
+                parts.extend(_plan(opts, readers, node, start, end))
         finally:
             readers.close()
         # Spark needs at least one partition; an empty range reads nothing.
         return parts or [LogPartition("", "", 0, 0)]
 
     def read(self, partition):
-        if partition.end <= partition.start:
-            return iter(())
-        return read_partition(partition, self.opts.topics, self.opts.fail_on_data_loss)
+        return read_any(partition, self.opts)
 
 
 class WrenStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, opts):
         self.opts = opts
-        self._readers = Readers(opts.root)
+        self._readers = open_readers(opts, retry=True)
         self._target = None  # availableNow: the log ends when the query started
 
     def __getstate__(self):
@@ -375,14 +311,15 @@ class WrenStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             r = readers.get(node)
             if r is not None:
                 s = check_loss(node, s, r, opts.fail_on_data_loss)
-            elif e > s and opts.fail_on_data_loss:
+            elif e > s and opts.fail_on_data_loss and opts.net is None:
+                # (over the network a partition not listed now is one whose nodes do not
+                # answer: its range is planned all the same, and read when one is back)
                 raise RuntimeError(f"wrenmq source: log partition {node!r} disappeared")
-            d = self._readers.dirs.get(node) or os.path.join(_first(opts.root), node)
-            parts.extend(split_ranges(node, d, s, e, opts.max_per_partition))
+            parts.extend(_plan(opts, self._readers, node, s, e))
         return parts
 
     def read(self, partition):
-        return read_partition(partition, self.opts.topics, self.opts.fail_on_data_loss)
+        return read_any(partition, self.opts)
 
     def commit(self, end):
         pass

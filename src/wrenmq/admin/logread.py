@@ -61,7 +61,11 @@ def register(routes, admin):
 
 def served_partitions(broker):
     """{partition: log directory} of the partitions this node serves to readers: its own
-    log. (A node that keeps replicas of other nodes' partitions adds them here.)"""
+    log. (A node that keeps replicas of other nodes' partitions adds their directories
+    here, `<data dir>/replicas/<partition>/log/<partition>`: a replicated partition's
+    durable mark, leader's or replica's, says no more than its high watermark
+    (`CommitLog.limit_marks`), so every server of a partition stops where all the in-sync
+    replicas hold the same records.)"""
     store = broker.store
     if store is None or store.log is None:
         return {}

@@ -127,7 +127,7 @@ def _topics(query):
     return filters or None
 
 
-def describe(partition, reader):
+def describe(reader):
     """One partition as a reader may read it from this node (durable offsets only)."""
     st = reader.stats()
     return {"start_offset": reader.start_offset, "end_offset": reader.durable_end_offset,
@@ -194,11 +194,11 @@ class LogRead:
 
     def _local(self):
         out = []
-        for partition, directory in sorted(served_partitions(self.broker).items()):
-            pool = self.pools.get(directory) or self.pools.setdefault(directory, ReaderPool(directory))
+        for partition in sorted(served_partitions(self.broker)):
+            pool = self._pool(partition)
             reader = pool.take()
             try:
-                out.append((partition, describe(partition, reader)))
+                out.append((partition, describe(reader)))
             finally:
                 pool.give(reader)
         return out

@@ -568,7 +568,8 @@ def test_max_retained_messages(make_broker, clients, version, caplog):
     values = b.call(b.broker.sys_topics.snapshot)
     assert b.call(lambda: b.broker.router.retained.client_count) == 3
     assert values["$SYS/broker/retained messages/count"] >= 3  # (with the broker's own $SYS)
-    assert values["$SYS/broker/retained messages/bytes"] == 3 * 3 + 3 + 2 + 2
+    count, clients_held, memory = b.call(b.broker.router.retained.recount)
+    assert clients_held == 3 and values["$SYS/broker/retained messages/bytes"] == memory
     assert values["$SYS/broker/retained messages/refused"] == 3
     assert "max_retained_messages 3" in caplog.text
     # The broker's own retained messages ($SYS, the embedding API) are not limited.
@@ -577,19 +578,31 @@ def test_max_retained_messages(make_broker, clients, version, caplog):
 
 
 def test_max_retained_bytes(make_broker, clients):
-    """max_retained_bytes counts topics and payloads: a retained message that would take
-    the total past it is delivered but not retained, and the topic keeps what it had."""
-    b = make_broker("[limits]\nmax_retained_bytes = 1000\n")
+    """max_retained_bytes counts the memory retained messages take (each message and the
+    tree's nodes): a retained message that would take the total past it is delivered but
+    not retained, and the topic keeps what it had."""
+    from wrenmq.broker.message import MESSAGE_OVERHEAD
+    from wrenmq.broker.topics import RETAINED_NODE_COST
+
+    def held(size):  # a message on a one-level topic of one letter, and its node
+        return size + 2 + MESSAGE_OVERHEAD + RETAINED_NODE_COST + 2
+
+    def new(size):  # what a message for a topic not held yet may add (RetainedTrie.growth)
+        return held(size) + RETAINED_NODE_COST
+
+    limit = held(10) + new(600) + 100
+    assert new(600) <= limit < held(600) + new(600) and held(900) <= limit < held(2000)
+    b = make_broker(f"[limits]\nmax_retained_bytes = {limit}\n")
     p = clients(b.port, version=5)
     p.publish("a", b"x" * 600, qos=1, retain=True).wait_for_publish(5)
-    p.publish("b", b"y" * 600, qos=1, retain=True).wait_for_publish(5)  # 1,202 bytes: refused
-    p.publish("a", b"z" * 900, qos=1, retain=True).wait_for_publish(5)  # 901: taken
+    p.publish("b", b"y" * 600, qos=1, retain=True).wait_for_publish(5)  # two of them: refused
+    p.publish("a", b"z" * 900, qos=1, retain=True).wait_for_publish(5)  # a larger one: taken
     p.publish("a", b"w" * 2000, qos=1, retain=True).wait_for_publish(5)  # grows past: refused
     p.publish("a", b"s" * 10, qos=1, retain=True).wait_for_publish(5)  # shrinks: taken
-    p.publish("b", b"y" * 600, qos=1, retain=True).wait_for_publish(5)  # 612 bytes now: taken
+    p.publish("b", b"y" * 600, qos=1, retain=True).wait_for_publish(5)  # room now: taken
     assert _retained(b, clients, "#", 5) == {"a": b"s" * 10, "b": b"y" * 600}
     values = b.call(b.broker.sys_topics.snapshot)
-    assert values["$SYS/broker/retained messages/bytes"] == 1 + 10 + 1 + 600
+    assert values["$SYS/broker/retained messages/bytes"] == held(10) + held(600)
     assert values["$SYS/broker/retained messages/refused"] == 2
 
 

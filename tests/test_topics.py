@@ -358,6 +358,33 @@ def test_retained_trie_agrees_with_reference(stored, data):
         assert set(got) == {t for t in live if topic_matches(flt, t)}, flt
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.sampled_from(LEVELS + ["$SYS", "long" * 20]),
+                                                  min_size=1, max_size=6).map("/".join),
+                          st.integers(0, 100)), max_size=40))
+def test_retained_trie_memory_is_what_it_holds(ops):
+    """`memory`, a running sum through every split and merge of the tree, equals the tree
+    counted afresh (`recount`) after any sets and deletes of clients' messages (the $SYS
+    ones not counted), and a set grows it by no more than `growth` said beforehand: what
+    max_retained_bytes is checked against."""
+    from wrenmq.broker.message import Message
+
+    rt = RetainedTrie()
+    for keep, topic, size in ops:
+        if keep:
+            msg = Message(topic, b"p" * size, 0, True, {}, None, "" if topic.startswith("$SYS") else "c")
+            most = rt.growth(topic, msg)
+            before = rt.memory
+            rt.set(topic, msg)
+            assert rt.memory - before <= most, topic
+        else:
+            rt.delete(topic)
+        assert rt.recount() == (rt.count, rt.client_count, rt.memory)
+    for topic in {t for _, t, _ in ops}:
+        rt.delete(topic)
+    assert (rt.count, rt.client_count, rt.memory) == (0, 0, 0) and not rt._root.children
+
+
 def test_retained_trie_set_replace_delete():
     rt = RetainedTrie()
     rt.set("a/b", 1)

@@ -173,8 +173,11 @@ class LimitsSection:
     max_retained_messages: int = _key(1000000, "Retained messages from clients held; beyond it a client's "
                                       "retained PUBLISH to a new topic is delivered but not retained "
                                       "(counted, logged). 0 = no limit.", 0)
-    max_retained_bytes: int = _key(1073741824, "Bytes (topics and payloads) of the clients' retained "
-                                   "messages; a retained PUBLISH that would take them past it is "
+    max_retained_bytes: int = _key(1073741824, "Memory the clients' retained messages may take, in "
+                                   "bytes: each message (payload, topic, about 400 bytes of objects, "
+                                   "700 with MQTT 5 properties) and the nodes of the retained tree "
+                                   "(about 200 bytes and the topic levels each; one or two per topic, "
+                                   "however deep). A retained PUBLISH that would take them past it is "
                                    "delivered but not retained, and its topic keeps what it had. "
                                    "0 = no limit.", 0)
     queue_memory: int = _key(1073741824, "Memory the queues of all sessions may take, in bytes: each "

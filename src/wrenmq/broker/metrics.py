@@ -59,7 +59,7 @@ METRICS = (
     ("$SYS/broker/retained messages/count", "wrenmq_retained_messages", "gauge",
      "Retained messages held."),
     ("$SYS/broker/retained messages/bytes", "wrenmq_retained_bytes", "gauge",
-     "Bytes (topics and payloads) of the clients' retained messages (what [limits] max_retained_bytes bounds)."),
+     "Memory the clients' retained messages take, in bytes: messages and the retained tree's nodes (what [limits] max_retained_bytes bounds)."),
     ("$SYS/broker/clients/refused sessions", "wrenmq_sessions_refused_total", "counter",
      "CONNECTs refused because a new persistent session would pass [limits] max_sessions."),
     ("$SYS/broker/retained messages/refused", "wrenmq_retained_refused_total", "counter",

@@ -20,8 +20,7 @@ from ..mqtt.codec import MQTTError, encode
 from ..mqtt.packets import Connack, Suback, Unsuback
 from .message import Message, message_properties
 from .session import NEVER, QUEUE_ENTRY_COST, Outgoing, Session, Subscription
-from .topics import (RetainedTrie, TopicError, TopicTrie, parse_shared, retained_size, topic_matches,
-                     validate_topic_filter)
+from .topics import RetainedTrie, TopicError, TopicTrie, parse_shared, topic_matches, validate_topic_filter
 
 log = logging.getLogger("wrenmq.router")
 
@@ -965,7 +964,7 @@ class Router:
         topic = msg.topic
         if sync:
             if self._retained_newer(topic, msg.timestamp, False):
-                self._retain(msg)
+                self._retain(msg, False)
             return False
         if retained and (not replayed or self._retained_newer(topic, msg.timestamp, True)):
             self._retain(msg)
@@ -1075,14 +1074,15 @@ class Router:
             self._take_over(session, True)
         self.end_session(session)  # the session ends: a will still pending is published
 
-    def _retain(self, msg):
+    def _retain(self, msg, routed=True):
         """Keep `msg` as its topic's retained message (an empty one clears it), on disk too.
+        `routed`: it goes to the subscribers as well (RetainedTrie.set).
 
         With a cluster, a clear is remembered (its time, for the last _CLEARS_KEPT
         topics cleared; on disk too, so across restarts): another node's older copy,
         sent when its link comes up, must not bring the message back."""
         if msg.payload:
-            self.retained.set(msg.topic, msg)
+            self.retained.set(msg.topic, msg, routed)
             if self.retained_clears:
                 self.retained_clears.pop(msg.topic, None)
         else:
@@ -1101,9 +1101,10 @@ class Router:
 
     def _over_retained_limits(self, msg):
         """True (counted, logged at most once a second) if retaining a client's `msg` would
-        take the clients' retained messages past [limits] max_retained_messages or
-        max_retained_bytes: it is delivered, not retained, and its topic keeps what it had.
-        A replacement that does not grow them is always taken."""
+        take the clients' retained messages past [limits] max_retained_messages or the
+        memory they take (RetainedTrie.memory) past max_retained_bytes: it is delivered, not
+        retained, and its topic keeps what it had. A replacement that does not grow them is
+        always taken."""
         limits = self.limits
         max_n = limits.max_retained_messages
         max_b = limits.max_retained_bytes
@@ -1112,18 +1113,15 @@ class Router:
         retained = self.retained
         topic = msg.topic
         old = retained.get(topic)
-        n = retained.client_count + 1
-        b = retained.client_bytes + retained_size(topic, msg)
-        if old is not None and old.client_id:
-            n -= 1
-            b -= retained_size(topic, old)
-        grows = n > retained.client_count or b > retained.client_bytes
+        n = retained.client_count + (0 if old is not None and old.client_id else 1)
+        b = retained.memory + retained.growth(topic, msg)
+        grows = n > retained.client_count or b > retained.memory
         if grows and ((max_n and n > max_n) or (max_b and b > max_b)):
             n = self.stats.refuse("retained_refused")
             if n:
-                log.warning("not retaining %r from %s: clients' retained messages at %d, %d bytes "
+                log.warning("not retaining %r from %s: clients' retained messages at %d, taking %d bytes "
                             "([limits] max_retained_messages %d, max_retained_bytes %d); %d refused so far",
-                            topic[:200], msg.client_id, retained.client_count, retained.client_bytes,
+                            topic[:200], msg.client_id, retained.client_count, retained.memory,
                             max_n, max_b, n)
             return True
         return False

@@ -72,7 +72,7 @@ class SysTopics:
             "$SYS/broker/wills/held bytes": r.held_will_bytes,
             "$SYS/broker/wills/published early": s.wills_early,
             "$SYS/broker/retained messages/count": r.retained.count,
-            "$SYS/broker/retained messages/bytes": r.retained.client_bytes,
+            "$SYS/broker/retained messages/bytes": r.retained.memory,
             "$SYS/broker/retained messages/refused": s.retained_refused,
             "$SYS/broker/clients/refused sessions": s.sessions_refused,
             "$SYS/broker/store/messages/count": sum(len(x.queue) + len(x.inflight) for x in r.sessions.values()),

@@ -182,8 +182,9 @@ class LimitsSection:
                                    "0 = no limit.", 0)
     queue_memory: int = _key(1073741824, "Memory the queues of all sessions may take, in bytes: each "
                              "queued message counted once however many queues hold it (payload, "
-                             "topic and about 400 bytes of objects, 700 with MQTT 5 properties), and 128 "
-                             "bytes per queue entry. Beyond it new messages for queues are dropped (and counted) "
+                             "topic and about 400 bytes of objects, 700 with MQTT 5 properties), 128 "
+                             "bytes per queue entry, and 8 bytes per node the walk of a SUBSCRIBE's retained "
+                             "messages still holds. Beyond it new messages for queues are dropped (and counted) "
                              "unless the commit log holds them. 0 = no limit.", 0)
     subscription_memory: int = _key(2147483648, "Memory the subscriptions of all sessions may take, in "
                                     "bytes, counted as 550 bytes of objects per subscription plus twice "

@@ -291,8 +291,9 @@ class Connection(asyncio.Protocol):
         self.congested = False
         if not self.closing:
             self._unpause(_P_WRITE)
-            if self.session is not None and (self.session.queue or self.session.resend):
-                self.router.drain(self.session)
+            session = self.session
+            if session is not None and (session.queue or session.resend or session.retained_due):
+                self.router.drain(session)
 
     def connection_lost(self, exc):
         self._lingering = False

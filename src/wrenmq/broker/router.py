@@ -19,6 +19,7 @@ from ..mqtt import constants as C
 from ..mqtt.codec import MQTTError, encode
 from ..mqtt.packets import Connack, Suback, Unsuback
 from .message import Message, message_properties
+from .retained import RETAINED_TIMER, RetainedSending
 from .session import NEVER, QUEUE_ENTRY_COST, Outgoing, Session, Subscription
 from .topics import RetainedTrie, TopicError, TopicTrie, parse_shared, topic_matches, validate_topic_filter
 
@@ -133,7 +134,7 @@ def _encode_ack(first, pid, reason, v5):
     return bytes((first, 2, pid >> 8, pid & 0xFF))
 
 
-class Router:
+class Router(RetainedSending):
     def __init__(self, config, hooks, clock=time.monotonic):
         self.cfg = config
         self.limits = config.limits
@@ -219,12 +220,17 @@ class Router:
         now = self.clock()
         timers = self._timers
         while timers and timers[0][0] <= now:
-            _, _, kind, session, gen = heapq.heappop(timers)
+            at, _, kind, session, gen = heapq.heappop(timers)
             if session.generation != gen:
                 continue  # (re)connected or disconnected since: the timer is stale
             if kind == _CATCH_UP:
                 if session.conn is not None:
                     self.drain(session)
+                continue
+            if kind == RETAINED_TIMER:
+                if session.retained_at == at:  # (not one set before the session's last stop)
+                    session.retained_at = None
+                    self.drain(session, True)
                 continue
             if session.conn is not None:
                 continue
@@ -423,6 +429,7 @@ class Router:
         if self.cluster is not None and session.subscriptions:
             self.cluster.presence(session, False)
         session.resend = ()
+        self._stop_retained(session)
         if session.will is not None and (clean or not session.will_delay):
             self._publish_will(session)
         session.will = None
@@ -456,6 +463,7 @@ class Router:
             self.cluster.presence(session, False)
         session.generation += 1
         session.resend = ()
+        self._stop_retained(session)
         self.online -= 1
         now = self.clock()
         self.hooks.on_disconnect(session, reason)
@@ -539,6 +547,7 @@ class Router:
                 self._remove_subscription(session, sub)
             subs.clear()
             self._matches.clear()
+        self._stop_retained(session)
         self._clear_queue(session)
         session.match_cache = None  # (queued messages may keep the object: `origin`)
         session.resend = ()
@@ -735,7 +744,7 @@ class Router:
                 self.dirty.add(session)
                 if out.group is not None and out.msg.offset >= 0:
                     self.persist.shared_done(session, out)
-            if session.queue or session.resend or session.resume_from is not None:
+            if session.queue or session.resend or session.resume_from is not None or session.retained_due:
                 self.drain(session)
 
     def handle_pubrec(self, session, pkt):
@@ -748,7 +757,7 @@ class Router:
             session.take_inflight(pid)
             if session.stored and out.msg.offset >= 0:
                 self.persist.qos2_out(session, out, 2)
-            if session.queue or session.resend or session.resume_from is not None:
+            if session.queue or session.resend or session.resume_from is not None or session.retained_due:
                 self.drain(session)
             return
         if not out.released:
@@ -765,7 +774,7 @@ class Router:
                 self.dirty.add(session)
                 if out.msg.offset >= 0:
                     self.persist.qos2_out(session, out, 2)
-            if session.queue or session.resend or session.resume_from is not None:
+            if session.queue or session.resend or session.resume_from is not None or session.retained_due:
                 self.drain(session)
 
     def handle_pingreq(self, session, pkt):
@@ -864,20 +873,13 @@ class Router:
             self._subscribed(session, conn, suback, retained)
 
     def _subscribed(self, session, conn, suback, retained):
-        """The SUBACK, then the retained messages for the subscriptions that want them."""
+        """The SUBACK, then the retained messages for the subscriptions that want them
+        (from the next loop turn on, a share a turn: retained.py)."""
         if session.conn is not conn or conn.closing:
             return
         conn.send(suback)
         if retained and self.retained.count:
-            now = self.clock()
-            for sub in retained:
-                ids = (sub.sub_id,) if sub.sub_id else ()
-                for msg in self.retained.match(sub.filter):
-                    if msg.expired(now):
-                        self.retained.delete(msg.topic)
-                        continue
-                    self._deliver(session, msg, msg.qos if msg.qos < sub.qos else sub.qos, True, ids,
-                                  None, False)
+            self._match_retained(session, retained)
 
     def _add_subscription(self, session, sub):
         session.match_cache = None
@@ -909,12 +911,16 @@ class Router:
 
     def handle_unsubscribe(self, session, pkt):
         codes = []
+        stopped = False
         for f in pkt.filters:
             sub = session.subscriptions.pop(f, None)
             if sub is None:
                 codes.append(C.NO_SUBSCRIPTION_EXISTED)
             else:
                 self._remove_subscription(session, sub)
+                if session.retained_due is not None and f in session.retained_due:
+                    self._stop_retained(session, f)
+                    stopped = True
                 if session.stored:
                     self.persist.unsubscribed(session, f)
                 codes.append(0)
@@ -922,6 +928,8 @@ class Router:
                     self.hooks.on_unsubscribe(session, f)
         self._matches.clear()
         session.conn.send(encode(Unsuback(pkt.packet_id, codes if session.v5 else ()), session.version))
+        if stopped and session.queue:
+            self.drain(session)  # what waited behind the retained messages it stopped
 
     # --- routing -----------------------------------------------------------
 
@@ -1191,7 +1199,7 @@ class Router:
             msg._cache = False
         return True
 
-    def _deliver(self, session, msg, qos, retain, sub_ids, group=None, tracked=True):
+    def _deliver(self, session, msg, qos, retain, sub_ids, group=None):
         hooks = self.hooks
         if hooks.authorize_deliver is not None and hooks.authorize_deliver(session, msg) is False:
             return
@@ -1207,6 +1215,9 @@ class Router:
                 if hooks.on_message_dropped is not None:
                     hooks.on_message_dropped(session, msg, "congested")
                 return
+            if session.retained_due is not None:  # behind the retained messages still to send
+                self._enqueue(session, Outgoing(msg, 0, retain, sub_ids, group))
+                return
             if session.alias_out_max or session.max_packet_out or msg.expiry is not None or \
                     (sub_ids and session.v5):
                 self._write_publish(session, msg, 0, retain, sub_ids, 0, False)
@@ -1221,13 +1232,14 @@ class Router:
                 # (what other nodes forward, wills) it is owed from memory only: a
                 # write the disk cannot take would stop the broker.
                 self.persist.store.append(msg, 0, private=True)
-        out = Outgoing(msg, qos, retain, sub_ids, group, tracked)
+        out = Outgoing(msg, qos, retain, sub_ids, group)
         if session.stored:
             self.dirty.add(session)
             if group is not None and msg.offset >= 0:
                 self.persist.shared_queued(session, out)
         if conn is not None and not session.queue and len(session.inflight) < session.send_quota \
-                and not conn.congested and session.inflight_bytes + out.size <= self.max_inflight_bytes:
+                and not conn.congested and session.inflight_bytes + out.size <= self.max_inflight_bytes \
+                and session.retained_due is None:
             self._send_outgoing(session, out)
         else:
             self._enqueue(session, out)
@@ -1254,6 +1266,7 @@ class Router:
 
     def _queue_pop(self, session):
         out = session.queue.popleft()
+        session.dequeued += 1
         session.queued_bytes -= out.size
         self._let_go(out.msg)
         return out
@@ -1272,17 +1285,6 @@ class Router:
         session.queue = ()
 
     def _enqueue(self, session, out):
-        if not out.tracked and out.group is None:
-            # A retained message the session's SUBSCRIBE asked for: the retained store
-            # bounds those, so only queue_memory applies. Per-session bounds would drop
-            # them for a subscriber with a small window (what Mosquitto users meet as
-            # #2887), and the log cannot hand them back: their records predate the
-            # subscription.
-            if self.queued_bytes + _entry_cost(out.msg) > self.queue_memory:
-                self._dropped(session, out)
-            else:
-                self._queue_push(session, out)
-            return
         n = len(session.queue)
         full = n >= self.max_queued or session.queued_bytes + out.size > self.max_queued_bytes \
             or self.queued_bytes + _entry_cost(out.msg) > self.queue_memory
@@ -1335,11 +1337,13 @@ class Router:
         if out.group is not None and session.stored and out.msg.offset >= 0:
             self.persist.shared_done(session, out)
 
-    def drain(self, session):
+    def drain(self, session, retained_turn=False):
         """Move queued messages into the window while the client can take them.
 
         A session that has more waiting in the commit log than in memory reads the
-        next stretch of the log when its queue runs dry (`catch_up`).
+        next stretch of the log when its queue runs dry (`catch_up`). The retained
+        messages a SUBSCRIBE matched go out where they stand in the queue, on the
+        loop turn's timer for them (`retained_turn`; `_send_retained`).
         """
         conn = session.conn
         queue = session.queue
@@ -1356,7 +1360,19 @@ class Router:
             queue = session.queue
         max_bytes = self.max_inflight_bytes
         authorize = self.hooks.authorize_deliver
-        while queue and conn is not None and not conn.congested:
+        work = 0
+        while conn is not None and not conn.congested:
+            due = session.retained_due
+            if due is not None and (not queue or session.dequeued >= next(iter(due.values())).until):
+                if not retained_turn:
+                    self._send_retained_soon(session)
+                    break
+                work = self._send_retained(session, work)
+                if work < 0:
+                    break
+                continue
+            if not queue:
+                break
             out = queue[0]
             msg = out.msg
             if msg.expiry is not None and now >= msg.expiry:

@@ -67,6 +67,30 @@ class Outgoing:
         self.maybe_sent = False
 
 
+class RetainedMatch:
+    """The retained messages one SUBSCRIBE matched for one subscription, not sent yet.
+
+    They stand in the session's queue after the messages queued before the SUBSCRIBE:
+    they go once `until` entries have left the queue (Session.dequeued), and whatever is
+    routed to the session meanwhile waits behind them. `walk` finds them in the retained
+    tree a few at a time (RetainedTrie.walk, started when their turn comes, skipping what
+    was retained after version `since`: the subscription was sent it live); `held` is what
+    the walk holds (references to nodes), `counted` what the router counts of it in
+    queue_memory; `waiting` a message taken from the walk that the client's window or
+    socket had no room for yet."""
+
+    __slots__ = ("sub", "until", "since", "walk", "held", "counted", "waiting")
+
+    def __init__(self, sub, until, since):
+        self.sub = sub
+        self.until = until
+        self.since = since
+        self.walk = None
+        self.held = 0
+        self.counted = 0
+        self.waiting = None
+
+
 class Session:
     __slots__ = (
         "client_id", "client_b", "version", "v5", "conn", "subscriptions", "expiry_interval",
@@ -75,7 +99,8 @@ class Session:
         "topic_alias_in_max", "receive_max_in", "username", "address", "connected_at",
         "dropped", "generation", "request_problem_info", "listener", "stored", "resume_from",
         "skip_offsets", "restored_qos2", "match_cache", "cursor_saved", "resend",
-        "queued_bytes", "inflight_bytes", "replay_dup_below", "will_held",
+        "queued_bytes", "inflight_bytes", "replay_dup_below", "will_held", "retained_due", "retained_at",
+        "dequeued",
     )
 
     def __init__(self, client_id):
@@ -97,6 +122,14 @@ class Session:
         self.queue = ()  # Outgoing waiting for a window slot or for the client (a deque)
         self.resend = ()  # packet ids in `inflight` still to be resent after a reconnect
         self.queued_bytes = 0  # sizes of the Outgoing in `queue`
+        self.dequeued = 0  # entries taken from the front of `queue` so far (RetainedDue.until)
+        # The retained messages its SUBSCRIBEs matched, still to send while the client is
+        # connected: full filter -> RetainedMatch, in the order of the SUBSCRIBEs (None
+        # when there are none); and the deadline of the timer that sends the next loop
+        # turn's share of them (one share a turn, however many acknowledgements or
+        # SUBSCRIBEs ask for more), None when none is set.
+        self.retained_due = None
+        self.retained_at = None
         self.inflight_bytes = 0  # sizes of the Outgoing in `inflight`
         self.replay_dup_below = 0  # log offsets below this, read back after a restart, get DUP
         self.incoming_qos2 = _NO_IDS  # packet ids PUBRECed, waiting for PUBREL (a set)

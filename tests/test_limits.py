@@ -86,9 +86,10 @@ def test_will_memory_bounds_the_wills_held_for_their_delay(make_broker):
     pile wills up: past will_memory a will is published when its client goes, not after
     its delay. A client that comes back frees the room its will took."""
     from wrenmq.broker.message import MESSAGE_OVERHEAD
+    from wrenmq.broker.router import HELD_WILL_COST
 
     payload = b"w" * 2000
-    one = len(payload) + 2 * len("wills/a") + MESSAGE_OVERHEAD  # (each will's topic is as long)
+    one = len(payload) + 2 * len("wills/a") + MESSAGE_OVERHEAD + HELD_WILL_COST  # (the topics are as long)
     b = make_broker(f"[limits]\nwill_memory = {one + one // 2}\n")  # room for one
     watcher = raw_connect(b.port, "watcher", 5)
     watcher.send(Subscribe(1, [SubscribeTopic("wills/#")]))
@@ -118,6 +119,61 @@ def test_will_memory_bounds_the_wills_held_for_their_delay(make_broker):
     back.close()
 
 
+def test_will_memory_counts_what_a_wills_properties_take(make_broker):
+    """A will's properties are held with it, and a client chooses how large they are (up to
+    max_packet_size): will_memory counts them as the objects they are, so 40 KB of user
+    properties with a 1 KB payload do not pass as 2 KB. The figure is that of the will's
+    message (Message.memory) and its timer (HELD_WILL_COST)."""
+    from wrenmq.broker.router import will_size
+
+    b = make_broker("[limits]\nwill_memory = 100000\n")
+    watcher = raw_connect(b.port, "watcher", 5)
+    watcher.send(Subscribe(1, [SubscribeTopic("wills/#")]))
+    assert watcher.recv().reason_codes == [0]
+    metadata = [(f"k{i}", "v" * 100) for i in range(400)]
+
+    def goes(cid, props):
+        c = RawClient(b.port, 5)
+        c.send(Connect(cid, 5, True, 60, Will(f"wills/{cid}", b"w" * 1000, 0, False,
+                                              {"will_delay_interval": 60, **props}),
+                       properties={"session_expiry_interval": 600}))
+        assert c.recv().reason_code == 0
+        c.close()
+
+    goes("big", {"user_property": metadata})  # more than will_memory: published now
+    got = watcher.recv()
+    assert got.topic == "wills/big" and got.properties["user_property"] == metadata
+    goes("small", {"user_property": metadata[:10]})  # held
+    with pytest.raises(TimeoutError):
+        watcher.recv(timeout=0.5)
+    router = b.broker.router
+    held = b.call(lambda: router.held_will_bytes)
+    assert held == b.call(lambda: will_size(router.sessions["small"].will))
+    assert 1000 + 10 * 100 < held < 20_000
+    assert b.call(lambda: router.stats.wills_early) == 1
+
+
+def test_properties_memory_is_what_the_objects_take():
+    """What Message.memory counts for properties, against what building them allocates
+    (tracemalloc): at least that, and at most that and their encoded text once more."""
+    import tracemalloc
+
+    from wrenmq.broker.message import properties_memory
+    from wrenmq.mqtt.codec import decode_properties, encode_properties
+
+    cases = [{"user_property": [(f"name-{i}", "value" * i) for i in range(200)]},
+             {"content_type": "application/json", "response_topic": "r" * 5000,
+              "correlation_data": b"c" * 3000, "payload_format_indicator": 1}]
+    for props in cases:
+        block = encode_properties(props)
+        tracemalloc.start()
+        decoded, _ = decode_properties(block, 0, len(block), "P")
+        taken = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        counted = properties_memory(dict(decoded))
+        assert taken <= counted <= taken + 1.2 * len(block) + 500, (taken, counted, len(block))
+
+
 @pytest.mark.parametrize("version,code", [(5, C.CLIENT_IDENTIFIER_NOT_VALID), (4, 2)])
 def test_max_client_id_length(make_broker, version, code):
     """A session keeps its client id, and the commit log records it with every message its
@@ -143,7 +199,7 @@ def test_subscription_and_will_counts_follow_every_way_a_session_changes(make_br
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from wrenmq.broker.router import subscription_size
+    from wrenmq.broker.router import subscription_size, will_size
 
     b = make_broker()
     filters = ["f/a", "f/+/b", "$share/g/f/#", "$share/h/f/a", "long/" + "x" * 300]
@@ -152,7 +208,7 @@ def test_subscription_and_will_counts_follow_every_way_a_session_changes(make_br
         r = b.broker.router
         sessions = list(r.sessions.values())
         subs = sum(subscription_size(s.full_filter, s.filter) for x in sessions for s in x.subscriptions.values())
-        wills = sum(x.will.memory() for x in sessions if x.will_at is not None)
+        wills = sum(will_size(x.will) for x in sessions if x.will_at is not None)
         return (r.subscription_bytes, r.held_will_bytes), (subs, wills)
 
     steps = st.lists(st.tuples(st.sampled_from("CCSSSUXD"), st.integers(0, 2), st.integers(0, 4),

@@ -174,15 +174,15 @@ class LimitsSection:
                                       "retained PUBLISH to a new topic is delivered but not retained "
                                       "(counted, logged). 0 = no limit.", 0)
     max_retained_bytes: int = _key(1073741824, "Memory the clients' retained messages may take, in "
-                                   "bytes: each message (payload, topic, about 400 bytes of objects, "
-                                   "700 with MQTT 5 properties) and the nodes of the retained tree "
+                                   "bytes: each message (payload, topic, about 400 bytes of objects "
+                                   "and what its properties take) and the nodes of the retained tree "
                                    "(about 200 bytes and the topic levels each; one or two per topic, "
                                    "however deep). A retained PUBLISH that would take them past it is "
                                    "delivered but not retained, and its topic keeps what it had. "
                                    "0 = no limit.", 0)
     queue_memory: int = _key(1073741824, "Memory the queues of all sessions may take, in bytes: each "
                              "queued message counted once however many queues hold it (payload, "
-                             "topic and about 400 bytes of objects, 700 with MQTT 5 properties), 128 "
+                             "topic, about 400 bytes of objects and what its MQTT 5 properties take), 128 "
                              "bytes per queue entry, and 8 bytes per node the walk of a SUBSCRIBE's retained "
                              "messages still holds. Beyond it new messages for queues are dropped (and counted) "
                              "unless the commit log holds them. 0 = no limit.", 0)
@@ -193,8 +193,8 @@ class LimitsSection:
                                     "and logged; sessions restored at start or handed over by another "
                                     "node keep all theirs. 0 = no limit.", 0)
     will_memory: int = _key(268435456, "Memory the wills of offline sessions waiting out their will "
-                            "delay may take, in bytes (payload, topic and about 400 bytes of objects "
-                            "each). Past it the will of a client that goes is published at once "
+                            "delay may take, in bytes (payload, topic, what the will's properties "
+                            "take and about 650 bytes of objects and timer each). Past it the will of a client that goes is published at once "
                             "instead of after its delay (counted and logged); wills of sessions "
                             "restored at start are all kept. 0 = no limit.", 0)
     max_queued_offline: int = _key(1000, "With the commit log on (storage mode \"disk\"): QoS 1/2 "

@@ -6,6 +6,7 @@ is byte-for-byte the one that arrived, the received bytes are sent as they are.
 """
 
 from math import ceil
+from sys import getsizeof
 
 from ..mqtt.codec import encode_properties, encode_varint
 
@@ -13,9 +14,6 @@ from ..mqtt.codec import encode_properties, encode_varint
 # str and bytes headers, its properties dict, its timestamp), in bytes: counted with
 # gc and sys.getsizeof in a broker under `make soak` (docs/BENCHMARKS.md, stop 28).
 MESSAGE_OVERHEAD = 400
-# What MQTT 5 properties add (a larger dict, their values, their encoding once sent), for
-# the short user properties and expiry of `make soak`'s messages.
-PROPERTIES_OVERHEAD = 300
 
 # Properties that travel with the message (topic_alias and subscription_identifier
 # belong to one hop and are rebuilt per subscriber).
@@ -64,11 +62,11 @@ class Message:
 
     def memory(self):
         """What holding this message costs the broker in bytes, about: its payload, its
-        topic (as text and as UTF-8), MESSAGE_OVERHEAD, and PROPERTIES_OVERHEAD if it has
-        properties. What `[limits] queue_memory` counts once per queued message, however
-        many queues hold it."""
+        topic (as text and as UTF-8), MESSAGE_OVERHEAD, and what its properties take
+        (properties_memory). What `[limits] queue_memory` counts once per queued message,
+        however many queues hold it, and what will_memory and max_retained_bytes count."""
         n = len(self.payload) + 2 * len(self.topic) + MESSAGE_OVERHEAD
-        return n + PROPERTIES_OVERHEAD if self.properties else n
+        return n + properties_memory(self.properties) if self.properties else n
 
     @property
     def topic_bytes(self):
@@ -164,6 +162,30 @@ class Message:
     def __repr__(self):
         return (f"Message(topic={self.topic!r}, payload={self.payload[:32]!r}, qos={self.qos}, "
                 f"retain={self.retain}, client_id={self.client_id!r})")
+
+
+def properties_memory(props):
+    """What a message's MQTT 5 properties take in bytes: the dict and its values as Python
+    objects (sys.getsizeof: user properties are a list of (name, value) tuples), and their
+    text once more for the encoded block a PUBLISH to a 5.0 client leaves cached on the
+    message (`props_v5`). A client decides how large they are (up to max_packet_size): a
+    fixed figure would let a will or a queued message hold a megabyte counted as a few
+    hundred bytes."""
+    n = getsizeof(props) + 40
+    for value in props.values():
+        n += getsizeof(value)
+        if value.__class__ is list:
+            for item in value:
+                if item.__class__ is tuple:
+                    name, text = item
+                    n += getsizeof(item) + getsizeof(name) + getsizeof(text) + len(name) + len(text) + 5
+                else:
+                    n += getsizeof(item)
+        elif value.__class__ is str or value.__class__ is bytes:
+            n += len(value) + 3
+        else:
+            n += 5
+    return n
 
 
 def message_properties(props):

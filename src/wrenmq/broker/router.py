@@ -46,6 +46,19 @@ def subscription_size(full_filter, filter):
     filter twice (`full_filter` with the $share/<name>/ prefix, `filter` without)."""
     return SUBSCRIPTION_COST + len(full_filter) + len(filter)
 
+
+# What a will held for its delay takes besides its message (Message.memory): its timer (a
+# heap entry, its deadline and sequence number) and the session's numbers for it, from
+# the RSS of 20,000 sessions holding a will against as many without one
+# (`python -m wrenmq.bench.bounds wills`, docs/BENCHMARKS.md).
+HELD_WILL_COST = 250
+
+
+def will_size(will):
+    """What [limits] will_memory counts for a will held for its delay."""
+    return will.memory() + HELD_WILL_COST
+
+
 _CLEARS_KEPT = 100_000  # retained clears remembered (cluster), the oldest forgotten first
 
 
@@ -480,7 +493,7 @@ class Router(RetainedSending):
             self.persist.session_offline(session)
         if will is not None:
             delay = min(session.will_delay, session.expiry_interval)
-            if delay > 0 and self.held_will_bytes + will.memory() > self.will_memory:
+            if delay > 0 and self.held_will_bytes + will_size(will) > self.will_memory:
                 # Sessions that go with a long will delay, a new client id each time, are
                 # what a client could pile wills up in.
                 n = self.stats.refuse("wills_early")
@@ -502,7 +515,7 @@ class Router(RetainedSending):
         in held_will_bytes."""
         self._let_go_will(session)
         session.will_at = at
-        session.will_held = session.will.memory()
+        session.will_held = will_size(session.will)
         self.held_will_bytes += session.will_held
         self._schedule(at, _PUBLISH_WILL, session)
 

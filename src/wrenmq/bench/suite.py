@@ -10,6 +10,8 @@
    (which cannot make that promise).
 4. Hostile load: a well-behaved pair's latency while thousands of connections say
    nothing and flooders publish at ten times their limit (hostile.py).
+5. A large retained match: an unrelated client's connect-to-delivery while a SUBSCRIBE
+   matches 20,000 retained messages on 63-level topics (bounds.py stall).
 
 `--quick` runs part 1 once (under two minutes on 2 cores). Each part's brokers
 alternate run by run; tables give min / median / max and ratios of medians.
@@ -23,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import harness, hostile, logcost, logrows
+from . import bounds, harness, hostile, logcost, logrows
 
 HERE = Path(__file__).parent
 
@@ -115,6 +117,16 @@ def main(argv=None):
             lines.append(f"\nHostile ({r['broker']}): quiet p99 {r['quiet']['p99']:.0f} us, hostile p99 "
                          f"{r['hostile']['p99']:.0f} us ({r['silent_connections']} silent connections, "
                          f"{r['flooders']} flooders at {r['flood_rate_per_client']}/s): {r['p99_ratio']}x")
+
+    print("\n### 5. a large retained match\n", flush=True)
+    sjson = tempfile.mktemp(suffix=".json")
+    rcs.append(bounds.main(["stall", "--mosquitto", "--json", sjson]))
+    if os.path.exists(sjson):
+        for r in json.loads(Path(sjson).read_text()):
+            lines.append(f"\nRetained match ({r['broker']}): an unrelated client's connect-to-delivery while a "
+                         f"SUBSCRIBE to {r['filter']!r} matches {r['count']:,} retained messages "
+                         f"({r['levels']} levels): median {r['busy_median_ms']} ms, max {r['busy_max_ms']} ms "
+                         f"(idle: {r['idle_median_ms']} ms)")
     summary = "\n".join(lines)
     print("\n" + summary)
     if a.markdown:

@@ -143,38 +143,3 @@ def test_a_group_whose_members_all_left_with_their_node_gets_what_was_sent_meanw
     again = persistent(cl, "a", cid, 5)
     assert again.connack[1].session_present
     assert sorted(collect_all([again], len(sent))[0]) == sorted(sent)
-
-
-def test_remote_interest_keeps_a_read_of_etcd_and_the_groups_of_nodes_that_left():
-    from wrenmq.cluster.interest import RemoteInterest
-
-    r = RemoteInterest()
-    nodes = lambda: r.match("t/x")[0]  # noqa: E731
-    # Read from etcd before a replay (change 5): the watch's late delete of the value of
-    # change 2 (before the node wrote the filter again) does not undo it, etcd's delete of
-    # that value does, and a link's news newer than the read wins over it.
-    r.read("n1", None, "t/#", True, 5)
-    r.deleted("n1", None, "t/#", 2)
-    assert nodes() == {"n1"}
-    r.put("n1", None, "t/#", True, 5)
-    r.deleted("n1", None, "t/#", 5)
-    assert nodes() == frozenset() and not r._told
-    r.linked("n1", None, "t/#", False, True, 8)
-    r.read("n1", None, "t/#", True, 7)
-    assert nodes() == frozenset()
-    # A node that leaves keeps its groups (not its plain filters) until it is back, also
-    # across leaving again before that with groups it had not told before.
-    r.add("n2", "g", "t/#", online=True)
-    r.add("n2", None, "t/+")
-    r.left("n2")
-    assert r.match("t/x") == (frozenset(), {})
-    assert r.left_groups("t/x") == {("g", "t/#"): ("n2",)} and r.left_groups("u/x") == {}
-    r.add("n2", "h", "t/x")
-    r.left("n2")
-    assert r.left_groups("t/x") == {("g", "t/#"): ("n2",), ("h", "t/x"): ("n2",)}
-    r.add("n3", "g", "t/#")
-    r.left("n3")
-    assert r.left_groups("t/x")[("g", "t/#")] == ("n2", "n3")
-    r.back("n2")
-    r.back("n3")
-    assert r.left_groups("t/x") == {} and not r.left_nodes

@@ -1051,16 +1051,16 @@ def test_nodes_join_through_etcd_over_tls_with_client_certificates(tmp_path):
 
 def test_tls_link_handshakes_count_against_the_link_bound(cluster, tmp_path):
     """Sockets that open a TLS link port and never finish the handshake take at most
-    _MAX_INLINKS places (each until [limits] connect_timeout); the next is closed at once,
+    MAX_INLINKS places (each until [limits] connect_timeout); the next is closed at once,
     before any TLS. Links come up again once they are gone."""
     import socket
 
-    from wrenmq.cluster.node import _MAX_INLINKS
+    from wrenmq.cluster.node import MAX_INLINKS
 
     good, _ = link_certificates(tmp_path)
     cl = cluster(**good)
     a = cl.start("a")
-    idle = [socket.create_connection(("127.0.0.1", a.link_port), timeout=5) for _ in range(_MAX_INLINKS)]
+    idle = [socket.create_connection(("127.0.0.1", a.link_port), timeout=5) for _ in range(MAX_INLINKS)]
     try:
         deadline = time.monotonic() + 5
         refused = False
@@ -1072,7 +1072,7 @@ def test_tls_link_handshakes_count_against_the_link_bound(cluster, tmp_path):
                 except socket.timeout:  # (the node had not accepted all the idle ones yet)
                     pass
         assert refused
-        assert f"0 links open, {_MAX_INLINKS} in their TLS handshake" in a.log
+        assert f"0 links open, {MAX_INLINKS} in their TLS handshake" in a.log
         assert int(sys_value(lambda: cl.client("a"), "$SYS/broker/cluster/links/refused")) >= 1
     finally:
         for sock in idle:

@@ -1,12 +1,16 @@
 """Several nodes as one broker through etcd ([cluster], docs/CLUSTER.md).
 
-- `interest.py`: who wants what (sans-IO): this node's filters, counted, and the
-  other nodes' filters in a trie;
-- `frames.py`: the node-to-node link's format (sans-IO);
-- `etcd.py`: the etcd client (aetcd's, with a TLS channel when asked);
-- `node.py`: the I/O edge: the etcd lease, keys and watch, the links, and what the
-  router calls (`route`, `subscribed`, `client_connected`, ...).
+- `node.py`: `Cluster`, what the broker starts and the router calls (`route`,
+  `subscribed`, `client_connected`, ...), made of parts (classes there)
+  that each own their state;
+- sans-IO: `interest.py` (who wants what: this node's filters, counted, and the other
+  nodes' filters in a trie), `frames.py` (the link's format), `handover.py` (a
+  session as data);
+- `linkview.py` (each node's view of its links, in etcd) and `status.py` (`wrenmq
+  cluster status`); `etcd.py`: the etcd client (aetcd's, with a TLS channel when asked).
 """
+
+RETRY = (0.2, 0.5, 1.0, 2.0, 5.0)  # seconds between attempts (etcd, links), the last repeated
 
 
 class ClusterError(RuntimeError):

@@ -34,7 +34,7 @@ ROUTE = 6  # a filter the sender's clients now subscribe to (or no longer), ahea
 #           JSON {"seq", "group", "filter", "online"[, "removed": true]}
 ROUTE_ACK = 7  # the receiver applied the sender's ROUTEs up to JSON {"seq"}
 MARK = 8  # the receiver has the sender's log up to JSON {"offset"} (with disk storage: saved), once a
-#          second: what the sender keeps for replays up to there may go (node.GroupsSent)
+#          second: what the sender keeps for replays up to there may go (replay.GroupsSent)
 RELAY = 9  # a FORWARD this node took for a session it has just handed to the receiver, passed on
 #           for that session only: u16 n | client id | u16 n | the origin's log id | FORWARD body
 #           (flags without TO_SUBSCRIBERS: for the groups it names, which lost their member here)

@@ -30,20 +30,19 @@ _LOOK_EVERY = 0.5  # seconds between looks at the links' states
 _RETRY_AFTER = 2.0  # seconds before a write that failed (etcd away) is tried again
 
 
-def link_states(cluster, now):
-    """{node: state} of the other nodes `cluster` knows (see the module docstring); `now`:
-    time.monotonic(), the clock of `cluster.heard`."""
-    inlinks = {link.peer for link in cluster.inlinks
+def link_states(links, now):
+    """{node: state} of the other nodes a Cluster's `links` (`Links` in node.py) know (see the module
+    docstring); `now`: time.monotonic(), the clock of `links.heard`."""
+    inlinks = {link.peer for link in links.inlinks
                if link.peer is not None and link.transport is not None and not link.transport.is_closing()}
     states = {}
-    for name, peer in cluster.peers.items():
-        link = peer.link
-        linked = link is not None and link.resume.done() and not link.transport.is_closing()
+    for name, peer in links.peers.items():
+        linked = links.linked(peer)
         out = "up" if peer.up and linked else ("catching up" if linked else None)
         inbound = name in inlinks
         if out is None and not inbound:
             state = "down"
-        elif now - cluster.heard.get(name, float("-inf")) > SILENT_AFTER:
+        elif now - links.heard.get(name, float("-inf")) > SILENT_AFTER:
             state = "silent"
         elif out == "up":
             state = "up" if inbound else "out only"
@@ -76,7 +75,7 @@ class LinkReporter:
     def view(self, wall, now):
         """The JSON of the key, from the states as last looked at (`wall`: time.time(),
         `now`: time.monotonic(), both of the same moment)."""
-        heard = self.cluster.heard
+        heard = self.cluster.links.heard
 
         def at(name):
             t = heard.get(name)
@@ -88,7 +87,7 @@ class LinkReporter:
 
     def look(self, wall, now):
         """Bring `states` up to date (a new state's `since` is `wall`)."""
-        current = link_states(self.cluster, now)
+        current = link_states(self.cluster.links, now)
         for name, state in current.items():
             old = self.states.get(name)
             if old is None or old[0] != state:
@@ -97,16 +96,16 @@ class LinkReporter:
             del self.states[name]
 
     async def _run(self):
-        cluster = self.cluster
+        membership = self.cluster.membership
         while True:
             wall, now = time.time(), time.monotonic()
             self.look(wall, now)
-            lease = cluster.lease
+            lease = membership.lease
             snapshot = ({n: s for n, (s, _) in self.states.items()}, lease)
-            if (snapshot != self.written and lease is not None and cluster.etcd_up
+            if (snapshot != self.written and lease is not None and membership.etcd_up
                     and now - self.failed_at >= _RETRY_AFTER):
                 try:
-                    await cluster.etcd.put(self.key, self.view(wall, now), lease=lease)
+                    await membership.etcd.put(self.key, self.view(wall, now), lease=lease)
                     self.written = snapshot
                 except asyncio.CancelledError:
                     raise

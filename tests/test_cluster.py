@@ -1055,7 +1055,7 @@ def test_tls_link_handshakes_count_against_the_link_bound(cluster, tmp_path):
     before any TLS. Links come up again once they are gone."""
     import socket
 
-    from wrenmq.cluster.node import MAX_INLINKS
+    from wrenmq.cluster.links import MAX_INLINKS
 
     good, _ = link_certificates(tmp_path)
     cl = cluster(**good)

@@ -1,8 +1,9 @@
 """Several nodes as one broker through etcd ([cluster], docs/CLUSTER.md).
 
 - `node.py`: `Cluster`, what the broker starts and the router calls (`route`,
-  `subscribed`, `client_connected`, ...), made of parts (classes there)
-  that each own their state;
+  `subscribed`, `client_connected`, ...), made of parts that each own their
+  state: those below, and those node.py holds;
+- `links.py`: the link port (and its TLS), the links to the other nodes, their writes;
 - sans-IO: `interest.py` (who wants what: this node's filters, counted, and the other
   nodes' filters in a trie), `frames.py` (the link's format), `handover.py` (a
   session as data);

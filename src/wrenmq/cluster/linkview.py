@@ -31,7 +31,7 @@ _RETRY_AFTER = 2.0  # seconds before a write that failed (etcd away) is tried ag
 
 
 def link_states(links, now):
-    """{node: state} of the other nodes a Cluster's `links` (`Links` in node.py) know (see the module
+    """{node: state} of the other nodes a Cluster's `links` (links.py) know (see the module
     docstring); `now`: time.monotonic(), the clock of `links.heard`."""
     inlinks = {link.peer for link in links.inlinks
                if link.peer is not None and link.transport is not None and not link.transport.is_closing()}

@@ -3,6 +3,7 @@
 - `node.py`: `Cluster`, what the broker starts and the router calls (`route`,
   `subscribed`, `client_connected`, ...), made of parts that each own their
   state: those below, and those node.py holds;
+- `membership.py`: the etcd lease, this node's keys, the watch of the others';
 - `links.py`: the link port (and its TLS), the links to the other nodes, their writes;
 - sans-IO: `interest.py` (who wants what: this node's filters, counted, and the other
   nodes' filters in a trie), `frames.py` (the link's format), `handover.py` (a

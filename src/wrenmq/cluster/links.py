@@ -262,7 +262,7 @@ class Links:
         """Bind the link port, not accepting yet (`serve`); return the port bound.
 
         Bound now (its port is the advertised address), accepting once the node name is
-        this node's (`Membership` in node.py): a node restarted after a crash waits for its old
+        this node's (membership.py): a node restarted after a crash waits for its old
         registration to run out first, and the others, which still count that one in,
         are refused meanwhile rather than kept waiting for a RESUME."""
         cluster = self.cluster

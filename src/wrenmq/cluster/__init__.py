@@ -6,6 +6,7 @@
 - `membership.py`: the etcd lease, this node's keys, the watch of the others';
 - `links.py`: the link port (and its TLS), the links to the other nodes, their writes;
 - `routes.py`: this node's filters told to the others (etcd and ROUTE frames);
+- `forward.py`: messages to the nodes that want them, and from them;
 - sans-IO: `interest.py` (who wants what: this node's filters, counted, and the other
   nodes' filters in a trie), `frames.py` (the link's format), `handover.py` (a
   session as data);

@@ -1,6 +1,6 @@
 """The cluster's sans-IO parts, without etcd, a broker or a socket: the link's frames
 (frames.py), who wants what (interest.py) and the shared groups' choices kept for
-replays (GroupsSent).
+replays (replay.GroupsSent).
 """
 
 import pytest
@@ -8,7 +8,7 @@ import pytest
 from wrenmq.cluster import frames as F
 from wrenmq.cluster.interest import (LocalInterest, RemoteInterest, parse_route_key, parse_route_value, route_key,
                                      route_value)
-from wrenmq.cluster.node import GroupsSent
+from wrenmq.cluster.replay import GroupsSent
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import encode
 from wrenmq.mqtt.packets import Publish

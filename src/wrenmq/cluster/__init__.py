@@ -7,6 +7,7 @@
 - `links.py`: the link port (and its TLS), the links to the other nodes, their writes;
 - `routes.py`: this node's filters told to the others (etcd and ROUTE frames);
 - `forward.py`: messages to the nodes that want them, and from them;
+- `replay.py`: HELLO / RESUME and the replay from the log, marks, group choices;
 - sans-IO: `interest.py` (who wants what: this node's filters, counted, and the other
   nodes' filters in a trie), `frames.py` (the link's format), `handover.py` (a
   session as data);

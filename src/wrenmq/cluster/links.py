@@ -4,11 +4,11 @@ This node opens one link to each other node it knows of (`Peer`, `OutLink`) and
 accepts theirs on its link port (`InLink`); with [cluster] tls both sides present
 certificates. What goes out on a link in one loop turn is gathered and written once
 at the turn's end (`Links.append_out`); a live link more than [cluster] link_buffer
-behind is not written to any more and catches up from the log (`Replay` in node.py).
+behind is not written to any more and catches up from the log (replay.py).
 
 The links carry frames.py's frames; what a frame means is decided where it is handed:
 forward.py (FORWARD), `Moves` in node.py (SESSION_ASK, SESSION, RELAY), routes.py (ROUTE,
-ROUTE_ACK) and `Replay` in node.py (HELLO, RESUME, MARK).
+ROUTE_ACK) and replay.py (HELLO, RESUME, MARK).
 """
 
 import asyncio

@@ -40,7 +40,7 @@ def test_forward_frames_round_trip(case):
     assert got[:4] == (flags, cid, ts, groups) and got[5] == offset
     assert (got[4].topic, bytes(got[4].payload), got[4].qos, got[4].retain) == (pkt.topic, pkt.payload, pkt.qos, pkt.retain)
     assert (got[4].properties or {}) == pkt.properties
-    # The same message for other groups, as an old node passes it on (Moves.relay_groups, node.py).
+    # The same message for other groups, as an old node passes it on (Moves.relay_groups).
     again = F.decode_forward(F.regroup_forward(body, 0, [("k", "s/+")]))
     assert again[:4] == (0, cid, ts, [("k", "s/+")]) and again[5] == offset
     assert (again[4].topic, bytes(again[4].payload), again[4].qos) == (pkt.topic, pkt.payload, pkt.qos)

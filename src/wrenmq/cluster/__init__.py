@@ -1,13 +1,13 @@
 """Several nodes as one broker through etcd ([cluster], docs/CLUSTER.md).
 
 - `node.py`: `Cluster`, what the broker starts and the router calls (`route`,
-  `subscribed`, `client_connected`, ...), made of parts that each own their
-  state: those below, and those node.py holds;
+  `subscribed`, `client_connected`, ...), made of the parts below;
 - `membership.py`: the etcd lease, this node's keys, the watch of the others';
 - `links.py`: the link port (and its TLS), the links to the other nodes, their writes;
 - `routes.py`: this node's filters told to the others (etcd and ROUTE frames);
 - `forward.py`: messages to the nodes that want them, and from them;
 - `replay.py`: HELLO / RESUME and the replay from the log, marks, group choices;
+- `moves.py`: sessions that follow their client to another node (RELAY meanwhile);
 - sans-IO: `interest.py` (who wants what: this node's filters, counted, and the other
   nodes' filters in a trie), `frames.py` (the link's format), `handover.py` (a
   session as data);

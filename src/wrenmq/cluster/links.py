@@ -7,7 +7,7 @@ at the turn's end (`Links.append_out`); a live link more than [cluster] link_buf
 behind is not written to any more and catches up from the log (replay.py).
 
 The links carry frames.py's frames; what a frame means is decided where it is handed:
-forward.py (FORWARD), `Moves` in node.py (SESSION_ASK, SESSION, RELAY), routes.py (ROUTE,
+forward.py (FORWARD), moves.py (SESSION_ASK, SESSION, RELAY), routes.py (ROUTE,
 ROUTE_ACK) and replay.py (HELLO, RESUME, MARK).
 """
 

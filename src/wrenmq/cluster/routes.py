@@ -106,7 +106,7 @@ class Routes:
     @contextlib.contextmanager
     def handing_over(self, keys):
         """While a session's filters and groups (`keys`: (group, filter)) leave this node for
-        another (`Moves` in node.py): their removals leave etcd a second later, with the links'."""
+        another (moves.py): their removals leave etcd a second later, with the links'."""
         self._later_in_etcd = frozenset(keys)
         try:
             yield

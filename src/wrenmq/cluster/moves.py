@@ -1,0 +1,298 @@
+"""Sessions that change node: a client that reconnects elsewhere takes its session along.
+
+A client that connects with clean start 0 to a node that does not hold its session
+makes that node ask the one that does (`claim`: `clients/<client id>` in etcd says
+which), which ends it there and sends it over the link (`session_asked`, as data:
+handover.py); the asking node takes it in (`session_answered`) before the CONNACK.
+
+The other nodes learn where the session went a link round trip later, from the new
+node's ROUTEs. Meanwhile the old node passes on what they still send it for the
+session, or for the shared groups it was the last member of there, to the new node
+(RELAY, `relay`, `relay_groups`) for _RELAY_FOR seconds; the new node remembers, for
+twice as long, which messages (sending log, offset) the session got (`got`), so one
+that arrives both ways is delivered once (`relay_arrived`).
+"""
+
+import asyncio
+import collections
+import itertools
+import logging
+
+from . import frames as F
+from ..broker.topics import TopicTrie
+from .handover import build_session, session_state
+
+log = logging.getLogger("wrenmq.cluster")
+
+_HANDOVER_TIMEOUT = 2.0  # seconds a CONNECT waits for another node to hand its session over
+# A session handed to another node: for this long its old node passes on (RELAY) what other
+# nodes still send it for the session (they learn where it went a link round trip later),
+# and the new node remembers, for twice as long, which messages the session got, so a
+# message that came both ways is delivered once: at most _SEEN_MAX messages for all such
+# sessions together, past which the oldest session's memory goes first (later RELAYs
+# for it are dropped).
+_RELAY_FOR = 5.0
+_SEEN_MAX = 1_000_000
+
+
+def _own_filters(session):
+    """A session's filters that are its own (not a shared group's, not $SYS)."""
+    return tuple(sub.filter for sub in session.subscriptions.values()
+                 if sub.group is None and sub.filter[:4] != "$SYS")
+
+
+def _shared_filters(session):
+    """The (share name, filter) of the shared groups a session is a member of."""
+    return tuple((sub.group, sub.filter) for sub in session.subscriptions.values()
+                 if sub.group is not None)
+
+
+class Moves:
+    """Sessions handed to other nodes and taken from them, and the messages passed on
+    for them while the other nodes learn where they went.
+
+    `moved_in`, `relays_due` and `group_relays` are empty unless a session moved in the
+    last seconds: Forwarding tests them before calling here, per message."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.router = cluster.router
+        self.handed_over = 0  # sessions this node gave to another
+        self.taken_over = 0  # sessions this node took from another
+        self.relayed = 0  # messages passed on to the node a session moved to
+        self.duplicates = 0  # messages passed on here that the session had already
+        self._asks = {}  # request id -> (future of a SESSION answer, the client id asked for)
+        self._ids = itertools.count(1)
+        # Sessions that just changed node, each until _RELAY_FOR (old node) or twice that
+        # (new node) has passed, in deques in that order. On the old node: the sessions'
+        # filters -> {client id: (the new node, until when)}, and the same for its shared
+        # groups by (share name, filter); on the new one: client id -> (session, {(log
+        # id, offset) it got}, until when).
+        self._relays = TopicTrie()
+        self.group_relays = {}
+        self.relays_due = collections.deque()  # (until, client id, filters, groups)
+        self.moved_in = {}
+        self._moved_due = collections.deque()  # (until, client id)
+        self._seen_total = 0  # messages remembered in moved_in
+
+    async def claim(self, cid):
+        """Before a CONNECT with clean start 0 whose session is not here: ask the node
+        that holds it (`clients/<cid>`) to hand it over, and take it in. False if there
+        was nothing to take (or no answer within _HANDOVER_TIMEOUT)."""
+        cluster = self.cluster
+        peers = cluster.links.peers
+        if not peers or not cluster.membership.etcd_up:
+            return False
+        try:
+            owner = await cluster.membership.client_node(cid)
+        except (asyncio.TimeoutError, Exception) as e:
+            log.warning("cluster: cannot ask etcd where %s's session is (%s); it starts anew here", cid, e)
+            return False
+        if owner is None:
+            return False
+        peer = peers.get(owner)
+        if owner == cluster.node or peer is None:
+            return False
+        rid = next(self._ids)
+        fut = cluster.loop.create_future()
+        self._asks[rid] = (fut, cid)
+        cluster.links.send_control(peer, F.encode_session_ask(rid, cid))
+        try:
+            taken = await asyncio.wait_for(fut, _HANDOVER_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.warning("cluster: node %s did not hand %s's session over within %.0f s; it starts anew here",
+                        owner, cid, _HANDOVER_TIMEOUT)
+            return False
+        finally:
+            self._asks.pop(rid, None)
+        if taken is None:
+            return False
+        session, moved, dropped = taken
+        self.taken_over += 1
+        log.info("cluster: took %s's session over from node %s (%d subscription(s), %d message(s)%s)",
+                 cid, owner, len(session.subscriptions), moved,
+                 f"; {dropped} beyond [cluster] link_buffer not moved" if dropped else "")
+        return True
+
+    def session_asked(self, requester, body):
+        """SESSION_ASK from node `requester`: hand the session over (or say there is none)."""
+        cluster = self.cluster
+        rid, cid = F.decode_session_ask(body)
+        peer = cluster.links.peers.get(requester)
+        if peer is None:
+            return
+        router = self.router
+        session = router.release_session(cid)
+        if session is None:
+            cluster.links.send_control(peer, F.encode_session({"id": rid, "cid": cid, "found": False, "msgs": []},
+                                                              ()))
+            return
+        state, pubs = session_state(session, rid, router.clock(), cluster.link_buffer)
+        cluster.membership.disown(cid)  # the asking node registers the client next
+        # From now on the session's filters are the asking node's: what this node takes
+        # for them goes there (on the link, after the session), not nowhere until that
+        # node's own ROUTEs arrive.
+        for sub in session.subscriptions.values():
+            if sub.filter[:4] != "$SYS":
+                cluster.remote.add(requester, sub.group, sub.filter, True)
+        # And what other nodes still send here for it, until they learn where it went,
+        # is passed on to that node (RELAY), which keeps the session from getting a
+        # message twice.
+        filters = _own_filters(session)
+        groups = _shared_filters(session)
+        self._expire()
+        if filters or groups:
+            until = cluster.loop.time() + _RELAY_FOR
+            for f in filters:
+                self._relays.insert(f, cid, (requester, until))
+            for key in groups:
+                self.group_relays.setdefault(key, {})[cid] = (requester, until)
+            self.relays_due.append((until, cid, filters, groups))
+        # (they leave etcd with the links' removal: Routes.unsubscribed)
+        with cluster.routes.handing_over([(None, f) for f in filters] + list(groups)):
+            router.end_session(session, publish_will=False)
+        self.handed_over += 1
+        cluster.links.send_control(peer, F.encode_session(state, pubs))
+
+    def session_answered(self, body):
+        """SESSION: the session `claim` asked for (or word that there is none)."""
+        state, pkts = F.decode_session(body)
+        ask = self._asks.get(state.get("id"))
+        if ask is None or ask[0].done():
+            log.warning("cluster: %s's session arrived after its CONNECT stopped waiting; dropped",
+                        state.get("cid"))
+            return
+        fut, cid = ask
+        if not state.get("found") or state.get("cid") != cid:
+            fut.set_result(None)
+            return
+        # Taken in now, before the frames that follow on this link: the old node sends
+        # on what it takes for the session after handing it over (session_asked).
+        router = self.router
+        since = router.persist.next_offset if router.persist is not None else 0
+        session, queued = build_session(state, pkts, router.clock, since)
+        router.adopt_session(session, queued)
+        held = router.sessions.get(cid)
+        self._forget_moved(cid)  # (moved here before: that memory is for a session gone since)
+        if held is not None and (_own_filters(held) or _shared_filters(held)):
+            until = self.cluster.loop.time() + 2 * _RELAY_FOR
+            self.moved_in[cid] = (held, set(), until)
+            self._moved_due.append((until, cid))
+        self._expire()
+        fut.set_result((session, len(pkts), state.get("dropped")))
+
+    def _expire(self):
+        """Forget the sessions whose time for RELAY is over (oldest first)."""
+        now = self.cluster.loop.time()
+        due = self.relays_due
+        while due and due[0][0] < now:
+            until, cid, filters, groups = due.popleft()
+            for f in filters:
+                held = self._relays.get(f, cid)
+                if held is not None and held[1] == until:  # (not a later move of the same client)
+                    self._relays.remove(f, cid)
+            for key in groups:
+                by_cid = self.group_relays.get(key)
+                if by_cid is not None and by_cid.get(cid, (None, None))[1] == until:
+                    del by_cid[cid]
+                    if not by_cid:
+                        del self.group_relays[key]
+        due = self._moved_due
+        while due and (due[0][0] < now or self._seen_total >= _SEEN_MAX):
+            until, cid = due.popleft()
+            entry = self.moved_in.get(cid)
+            if entry is not None and entry[2] == until:
+                self._forget_moved(cid)
+
+    def _forget_moved(self, cid):
+        entry = self.moved_in.pop(cid, None)
+        if entry is not None:
+            self._seen_total -= len(entry[1])
+
+    # --- on the old node: passing messages on -------------------------------------------
+
+    def relay(self, body, origin, topic):
+        """A FORWARD (body) from the node whose log is `origin`, taken here: pass it on to
+        the node each session that just left for, if the session matches it."""
+        self._expire()
+        to = {}
+        for values in self._relays.match(topic):
+            for cid, (node, _) in values.items():
+                to[cid] = node
+        links = self.cluster.links
+        for cid, node in to.items():
+            peer = links.peers.get(node)
+            if peer is not None:
+                links.send(peer, F.encode_relay(cid, origin, body))
+                self.relayed += 1
+
+    def relay_groups(self, body, origin, topic, groups):
+        """A FORWARD taken here for shared `groups`: those with no member here any more,
+        whose member was a session that just left, go on to that session's new node (one
+        RELAY per such session, naming its groups), where the group has that member now."""
+        self._expire()
+        here = {(g.name, g.filter) for g in self.router.matching(topic)[1] if g.members}
+        to = {}
+        for key in groups:
+            by_cid = self.group_relays.get(key)
+            if key in here or not by_cid:
+                continue
+            cid, (node, _) = next(iter(by_cid.items()))
+            to.setdefault((cid, node), []).append(key)
+        links = self.cluster.links
+        for (cid, node), keys in to.items():
+            peer = links.peers.get(node)
+            if peer is not None:
+                links.send(peer, F.encode_relay(cid, origin, F.regroup_forward(body, 0, keys)))
+                self.relayed += 1
+
+    # --- on the new node: each message once ---------------------------------------------
+
+    def got(self, origin, off, hit):
+        """Offset `off` of the log `origin` is being delivered here to the sessions of
+        `hit` (the router's match): note it for each that just came here; return those
+        that had it already (by RELAY), to be skipped, or None."""
+        self._expire()
+        moved = self.moved_in
+        skip = None
+        key = (origin, off)
+        for e in hit[0]:
+            session = e[0]
+            entry = moved.get(session.client_id)
+            if entry is None or entry[0] is not session:
+                continue
+            seen = entry[1]
+            if key in seen:
+                skip = {session} if skip is None else skip | {session}
+            else:
+                seen.add(key)
+                self._seen_total += 1
+        return skip
+
+    def relay_arrived(self, body, decoder):
+        """A RELAY from a session's old node: deliver its message to that session only,
+        unless the session had it already; or, one for shared groups (`relay_groups`),
+        to those groups here, where the session is a member now."""
+        cid, origin, inner = F.decode_relay(body)
+        flags, pcid, ts, groups, pkt, off = F.decode_forward(inner, decoder)
+        self._expire()
+        entry = self.moved_in.get(cid)
+        if entry is None or off < 0:
+            return
+        session, seen, until = entry
+        router = self.router
+        if router.sessions.get(cid) is not session:
+            self._forget_moved(cid)
+            return
+        shared = not flags & F.TO_SUBSCRIBERS  # (relay_groups: for the groups it names)
+        key = (origin, off, "shared") if shared else (origin, off)
+        if key in seen:
+            self.duplicates += 1
+            return
+        seen.add(key)
+        self._seen_total += 1
+        msg = F.message_from(pkt, pcid, ts, router.clock())
+        if shared:
+            router.receive_forwarded(msg, 0, 0, 0, frozenset(groups))
+        else:
+            router.deliver_to(session, msg)

@@ -1,6 +1,6 @@
 """The cluster's sans-IO parts, without etcd, a broker or a socket: the link's frames
-(frames.py), who wants what (interest.py) and the shared groups' choices kept for
-replays (replay.GroupsSent).
+(frames.py), who wants what (interest.py), a session as data (handover.py) and the
+shared groups' choices kept for replays (replay.GroupsSent).
 """
 
 import pytest
@@ -245,3 +245,51 @@ def test_remote_interest_keeps_a_read_of_etcd_and_the_groups_of_nodes_that_left(
     r.back("n2")
     r.back("n3")
     assert r.left_groups("t/x") == {} and not r.left_nodes
+
+
+def test_a_session_as_data_and_back_is_the_same_session():
+    """handover.py: a session becomes data (`session_state`), goes as a SESSION frame and
+    comes back (`build_session`) with its subscriptions (a shared one too), the inbound
+    QoS 2 ids still open, its in-flight messages with their packet ids and PUBREL state,
+    and its queue in order; a message past the size bound is left out and counted."""
+    from collections import deque
+
+    from wrenmq.broker.message import Message
+    from wrenmq.broker.session import Outgoing, Session, Subscription
+    from wrenmq.cluster.handover import build_session, session_state
+
+    s = Session("dev-9")
+    s.version, s.v5, s.expiry_interval = 5, True, 3600
+    s.subscriptions["a/#"] = Subscription("a/#", 1, True, True, 1, 7, None, s)
+    s.subscriptions["$share/g/s/+"] = Subscription("s/+", 2, False, False, 0, None, "g", s)
+
+    def owed(topic, payload, qos, pid=0, released=False):
+        msg = Message(topic, payload, qos, False, {"content_type": "t"}, None, "pub-1", timestamp=12.5)
+        out = Outgoing(msg, qos, False, (7,))
+        out.packet_id, out.released = pid, released
+        return out
+
+    s.inflight = {5: owed("a/1", b"one", 1, 5), 6: owed("a/2", b"two", 2, 6, released=True)}
+    s.queue = deque([owed("a/3", b"three", 1), owed("a/4", b"x" * 5000, 1), owed("a/5", b"five", 2)])
+    s.add_incoming_qos2(3)
+    state, pubs = session_state(s, 41, 100.0, 1000)  # (the 5,000-byte message does not fit)
+    kind, body = F.FrameReader(1 << 20).feed(F.encode_session(state, pubs))[0]
+    assert kind == F.SESSION
+    state, pkts = F.decode_session(body)
+    assert (state["id"], state["cid"], state["found"], state["dropped"]) == (41, "dev-9", True, 1)
+
+    t, queued = build_session(state, pkts, lambda: 100.0, 1234)
+    assert (t.client_id, t.version, t.v5, t.expiry_interval) == ("dev-9", 5, True, 3600)
+    assert {full: (sub.filter, sub.group, sub.qos, sub.no_local, sub.retain_as_published, sub.retain_handling,
+                   sub.sub_id, sub.since, sub.session is t) for full, sub in t.subscriptions.items()} == {
+        "a/#": ("a/#", None, 1, True, True, 1, 7, 1234, True),
+        "$share/g/s/+": ("s/+", "g", 2, False, False, 0, None, 1234, True)}
+    assert t.incoming_qos2 == {3}
+    assert [(pid, out.packet_id, out.qos, out.released, out.maybe_sent, out.msg.topic, bytes(out.msg.payload))
+            for pid, out in t.inflight.items()] == [(5, 5, 1, False, True, "a/1", b"one"),
+                                                    (6, 6, 2, True, True, "a/2", b"two")]
+    assert t.next_pid == 7 and t.inflight_bytes == sum(out.size for out in t.inflight.values())
+    assert [(out.msg.topic, bytes(out.msg.payload), out.qos, out.sub_ids, out.packet_id) for out in queued] == [
+        ("a/3", b"three", 1, (7,), 0), ("a/5", b"five", 2, (7,), 0)]
+    msg = queued[0].msg
+    assert (msg.client_id, msg.timestamp, msg.properties) == ("pub-1", 12.5, {"content_type": "t"})

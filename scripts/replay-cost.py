@@ -1,5 +1,5 @@
 """How long one step of a cluster replay holds the event loop: `Store.read` of N records
-from the log, then their FORWARD frames (as `Cluster._replay` builds them).
+from the log, then their FORWARD frames (as `Replay._replay`, cluster/replay.py, builds them).
 
     .venv/bin/python scripts/replay-cost.py CONFIG.toml
 

@@ -1,7 +1,7 @@
 """Several nodes as one broker through etcd ([cluster], docs/CLUSTER.md).
 
 - `node.py`: `Cluster`, what the broker starts and the router calls (`route`,
-  `subscribed`, `client_connected`, ...), made of the parts below;
+  `subscribed`, `client_connected`, ...), made of the six parts that follow;
 - `membership.py`: the etcd lease, this node's keys, the watch of the others';
 - `links.py`: the link port (and its TLS), the links to the other nodes, their writes;
 - `routes.py`: this node's filters told to the others (etcd and ROUTE frames);
@@ -10,7 +10,8 @@
 - `moves.py`: sessions that follow their client to another node (RELAY meanwhile);
 - sans-IO: `interest.py` (who wants what: this node's filters, counted, and the other
   nodes' filters in a trie), `frames.py` (the link's format), `handover.py` (a
-  session as data);
+  session as data), and partition replication's core (`replication.py`,
+  `replication_control.py`, `replication_epochs.py`, `replication_frames.py`);
 - `linkview.py` (each node's view of its links, in etcd) and `status.py` (`wrenmq
   cluster status`); `etcd.py`: the etcd client (aetcd's, with a TLS channel when asked).
 """

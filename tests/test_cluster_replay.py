@@ -143,3 +143,31 @@ def test_a_group_whose_members_all_left_with_their_node_gets_what_was_sent_meanw
     again = persistent(cl, "a", cid, 5)
     assert again.connack[1].session_present
     assert sorted(collect_all([again], len(sent))[0]) == sorted(sent)
+
+
+def test_a_session_still_owed_messages_at_a_crash_gets_what_came_meanwhile_once(cluster):
+    # A persistent QoS 2 session on node a has messages from node b in flight (its client
+    # takes nothing more) when a is killed: restarted, a reads the session's messages back
+    # from its log, from the first one not acknowledged. What b acknowledged meanwhile
+    # reaches a by replay, each in a's log (a private record) and owed to the session: the
+    # client, back, gets every message once, not once from the replay and again from the log.
+    cl = cluster(lease_ttl=TTL)
+    a = cl.start("a", storage=disk(cl, "a"))
+    cl.start("b", storage=disk(cl, "b"))
+    cid = uid("q2")
+    member = persistent(cl, "a", cid, 5)
+    sub(member, "z/#", 2)
+    pub = cl.client("b")
+    await_route(pub, member, "z/probe")
+    member._reconnect_on_failure = False
+    member.loop_stop()  # (its socket stays open: what a sends it now stays in flight)
+    sent = [b"%d" % i for i in range(50)]
+    publish_all(pub, "z/b", sent[:10], qos=2)
+    time.sleep(0.5)  # (a has them in flight to the client, in its state database)
+    a.kill()
+    publish_all(pub, "z/b", sent[10:], qos=2)
+    a.start()
+    again = persistent(cl, "a", cid, 5)
+    assert again.connack[1].session_present
+    got = collect_all([again], len(sent))[0]
+    assert sorted(got, key=int) == sent, f"{len(got)} messages for {len(sent)} sent"

@@ -1197,7 +1197,7 @@ class Router(RetainedSending):
             for session, qos, rap, ids, no_local in normal:
                 if no_local and session is origin:
                     continue
-                if logged and session.resume_from is not None:
+                if session.resume_from is not None and (logged or msg.offset >= 0):
                     continue  # it reads this message from the log when it catches up
                 deliver(session, msg, mqos if mqos < qos else qos, msg.retain and rap, ids)
             authorize = self.hooks.authorize_deliver
@@ -1245,6 +1245,12 @@ class Router(RetainedSending):
                 # (what other nodes forward, wills) it is owed from memory only: a
                 # write the disk cannot take would stop the broker.
                 self.persist.store.append(msg, 0, private=True)
+                if session.resume_from is not None and group is None:
+                    # The session reads the log from before this record when it catches
+                    # up (after a crash, with messages still owed): it takes the message
+                    # there, as `route` leaves every logged message to it, not twice.
+                    self.dirty.add(session)
+                    return
         out = Outgoing(msg, qos, retain, sub_ids, group)
         if session.stored:
             self.dirty.add(session)

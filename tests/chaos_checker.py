@@ -84,20 +84,28 @@ class Report:
     refused: int = 0
     unavailable: float = 0.0  # seconds: the longest time a publisher waited for an acknowledgement
     unavailable_who: str = ""
+    protocol_errors: int = 0  # packets no broker should send (an ack for an id not in flight, ...)
+    pending: int = 0  # messages still not acknowledged when the load ended
+    # Set by the harness (cluster_harness.under_load): seconds from the fault's end until the
+    # cluster was whole again (None: it was not), and how many times a node left it.
+    recovery: float = 0.0
+    nodes_left: int = 0
     details: list = field(default_factory=list)
 
     @property
     def ok(self):
         """True if nothing the cluster promises was broken."""
         return not (self.lost or self.duplicates or self.out_of_order or self.unknown or self.retained_bad
-                    or self.owners_bad)
+                    or self.owners_bad or self.protocol_errors or self.recovery is None)
 
     def summary(self):
         head = (f"acknowledged {self.acknowledged}, owed {self.expected}, lost {self.lost}, QoS 2 duplicates "
                 f"{self.duplicates}, out of order {self.out_of_order}, unknown {self.unknown}, retained wrong "
                 f"{self.retained_bad}, owners wrong {self.owners_bad}; sessions lost {self.sessions_lost}, "
                 f"failovers {self.failovers}, reconnects {self.reconnects}, refused {self.refused}, longest "
-                f"unavailability {self.unavailable:.1f} s ({self.unavailable_who}); QoS 1 repeats {self.qos1_repeats}")
+                f"unavailability {self.unavailable:.1f} s ({self.unavailable_who}); QoS 1 repeats {self.qos1_repeats}"
+                + (f"; protocol errors {self.protocol_errors}" if self.protocol_errors else "")
+                + (f"; {self.pending} never acknowledged" if self.pending else ""))
         return "\n  ".join([head, *self.details[:30]])
 
 
@@ -139,6 +147,19 @@ def expected_retained(pubs):
         later = {payload or None for _, payload, acked in changes[last + 1:]}
         out[topic] = (value, later)
     return out
+
+
+def retained_errors(view, want):
+    """What is wrong in `view` ({topic: payload}, the retained messages a node gives a new
+    subscription) against `want` (expected_retained): a line per topic."""
+    wrong = []
+    for topic, (value, later) in sorted(want.items()):
+        have = view.get(topic) or None
+        if have != value and have not in later:
+            wrong.append(f"retained {topic} is {have!r}, the last acknowledged change left {value!r}")
+    for topic in sorted(set(view) - set(want)):
+        wrong.append(f"retained {topic} = {view[topic]!r}, never published")
+    return wrong
 
 
 def check(pubs, subs, retained=None, ownership=None, until=None):
@@ -207,15 +228,9 @@ def check(pubs, subs, retained=None, ownership=None, until=None):
     if retained is not None:
         want = expected_retained(pubs)
         for node, view in sorted(retained.items()):
-            for topic, (value, later) in sorted(want.items()):
-                have = view.get(topic) or None
-                if have != value and have not in later:
-                    r.retained_bad += 1
-                    r.details.append(f"node {node}: retained {topic} is {have!r}, the last acknowledged "
-                                     f"change left {value!r}")
-            for topic in sorted(set(view) - set(want)):
-                r.retained_bad += 1
-                r.details.append(f"node {node}: retained {topic} = {view[topic]!r}, never published")
+            wrong = retained_errors(view, want)
+            r.retained_bad += len(wrong)
+            r.details += [f"node {node}: {w}" for w in wrong]
     if ownership is not None:
         r.owners_bad = ownership["bad"]
         if ownership["bad"]:

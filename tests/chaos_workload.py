@@ -484,7 +484,7 @@ def end_session(addresses, node, cid, version):
     return False
 
 
-def retained_state(port, prefix, wait=1.0):
+def retained_state(port, prefix, wait=0.5):
     """{topic: payload} of the retained messages under `<prefix>/r/` a node gives a new
     subscription (clean session; waits `wait` seconds after the SUBACK for them)."""
     sock, decoder, _ = _session(port, f"retained-{uuid.uuid4().hex[:8]}", C.MQTT5, clean=True)

@@ -21,7 +21,21 @@ by silence) or "reset" (connections are reset and new ones refused, as when a ho
 unreachable).
 
 The load and its check: chaos_workload.py (clients that keep going across faults) and
-chaos_checker.py (what was acknowledged against what was delivered), both re-exported here.
+chaos_checker.py (what was acknowledged against what was delivered), both re-exported here;
+`under_load(cluster, fault)` runs the standard load through a fault and returns the Report.
+A test of the replicated cluster reads:
+
+    etcd = EtcdCluster(tmp_path / "etcd")                       # 3 members (a module fixture)
+    cl = Cluster(tmp_path / "cl", etcd, cluster_options={"replicas": 3, "min_insync": 2}).start()
+    def kill_a_five_times():
+        for _ in range(5):
+            cl["a"].kill(); cl["a"].restart(wait=False); cl.wait_stable()
+    report = under_load(cl, kill_a_five_times, failover="any")
+    assert report.ok and report.lost == report.duplicates == 0, report.summary()
+
+and for the other faults: `cl["a"].wipe()` (lost for good), `cl["a"].pause()` ...
+`cl["a"].resume()` (a zombie), `cl.partition("a")` / `cl.cut_from_etcd("a")` ... `cl.heal()`,
+`etcd.kill(0)` ... `etcd.restart(0)`.
 """
 
 import base64
@@ -40,7 +54,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from chaos_checker import Report, check, expected_retained  # noqa: F401 (re-exported)
+from chaos_checker import Report, check, expected_retained, retained_errors  # noqa: F401 (re-exported)
 from chaos_workload import Publisher, Subscriber, Workload, retained_state  # noqa: F401 (re-exported)
 from wrenmq.cluster import frames as F
 from wrenmq.ports import free_port, wait_port
@@ -725,8 +739,9 @@ class MembershipWatch:
         return self
 
     def _run(self):
-        last = None
-        while not self._stop.is_set():
+        last, stopping = None, False
+        while not stopping:
+            stopping = self._stop.is_set()  # (one more look once asked to stop: the last change)
             try:
                 now = self.cluster.registered()
             except ConnectionError:  # (no etcd member answers the test: nothing to learn)
@@ -752,3 +767,79 @@ class MembershipWatch:
         longest = max([longest, *(end - t for t in away.values())])
         return {"left": sum(1 for _, _, what in self.events if what == "left"), "absent": longest,
                 "events": list(self.events)}
+
+
+# --- a fault under load, checked --------------------------------------------------------------------
+
+
+def settled(read, wrong, timeout):
+    """`read()`, again every half second for up to `timeout` seconds while `wrong(value)`:
+    the last value read (what propagates after an acknowledgement is given the time to)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if not wrong(value) or time.monotonic() >= deadline:
+            return value
+        time.sleep(0.5)
+
+
+def finish(cluster, workload, drain=60.0, settle=60.0, propagation=10.0):
+    """End `workload`'s publishing, wait for the acknowledgements and the deliveries, read
+    every live node's retained messages and the ownership figures: the checker's Report.
+    Call it with the cluster whole again (`wait_stable`)."""
+    workload.stop_publishing()
+    pending = workload.drain(drain)
+    workload.settle(quiet=3.0, timeout=settle)
+    pubs, subs = workload.snapshot()
+    # The last retained changes and the client registrations reach the other nodes and
+    # etcd a moment after their acknowledgement: read again (for up to `propagation` s)
+    # while they are not what they must end as.
+    want = expected_retained(pubs)
+    retained = {n: settled(lambda: retained_state(node.port, workload.prefix), lambda v: retained_errors(v, want),
+                           propagation)
+                for n, node in cluster.nodes.items() if node.alive}
+    clients = workload.connected()
+    ownership = settled(lambda: cluster.ownership(clients), lambda o: o["bad"], propagation)
+    report = check(pubs, subs, retained, ownership, workload.stopped_at)
+    report.pending = pending
+    for cid, seen in workload.anomalies().items():
+        report.protocol_errors += len(seen)
+        report.details.append(f"{cid}: {len(seen)} packet(s) no broker should send, e.g. {seen[0]}")
+    return report
+
+
+def under_load(cluster, fault, *, rate=10.0, failover="home", before=2.0, after=2.0, recover=60.0,
+               repair=None, workload=None):
+    """The standard Workload (or `workload`, not started) over `cluster` through `fault()`:
+    `before` seconds of load, then `fault()` (it injects the fault and ends it), then until
+    the cluster is whole again and `after` seconds more: the checker's Report, with the
+    recovery time and how many times a node left the cluster meanwhile. If the cluster is
+    not whole `recover` seconds after the fault, `repair()` is called (without it, an
+    AssertionError) and the report says it did not recover."""
+    w = workload or Workload(cluster.addresses, rate=rate, failover=failover)
+    w.start()
+    watch = cluster.watch_membership()
+    try:
+        time.sleep(before)
+        began = time.time()
+        fault()
+        ended = time.monotonic()
+        recovery = time.monotonic() - ended if wait_until(cluster.stable, recover, 0.25) else None
+        if recovery is None:
+            state = cluster.describe()
+            if repair is None:
+                raise AssertionError(f"cluster not whole {recover} s after the fault: {state}")
+            repair()
+        members = watch.stop()
+        time.sleep(after)
+        report = finish(cluster, w)
+        report.recovery, report.nodes_left = recovery, members["left"]
+        if recovery is None:
+            report.details.append(f"not whole {recover} s after the fault: {state}")
+        for t, n, what in members["events"]:
+            report.details.append(f"node {n} {'left the cluster' if what == 'left' else 'back'} "
+                                  f"{t - began:.1f} s after the fault began")
+        return report
+    finally:
+        watch.stop()
+        w.close()

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from chaos_checker import PublisherLog, SubscriberLog, check, unavailability
-from cluster_harness import Cluster, EtcdCluster, Network, Workload, retained_state, wait_until
+from cluster_harness import Cluster, EtcdCluster, Network, under_load, wait_until
 from conftest import paho_client
 from mqtt_helpers import drain, publish, sub, uid
 from wrenmq.cluster import frames as F
@@ -207,25 +207,12 @@ def test_a_node_cut_from_etcd_keeps_its_links(cluster, clients):
 # --- workload and checker on real faults ----------------------------------------------------------
 
 
-def _run(cl, fault, *, rate=8.0, before=2.0, after=2.0):
-    """The standard workload over `cl` through `fault()`: the checker's Report."""
-    w = Workload(cl.addresses, rate=rate).start()
-    try:
-        time.sleep(before)
-        fault()
-        cl.wait_stable()
-        time.sleep(after)
-        w.stop_publishing()
-        assert w.drain(30) == 0, "publishers still have messages not acknowledged"
-        w.settle(quiet=3.0, timeout=40)
-        pubs, subs = w.snapshot()
-        retained = {n: retained_state(port, w.prefix) for n, port in cl.addresses.items()}
-        report = check(pubs, subs, retained, cl.ownership(w.connected()), w.stopped_at)
-        assert not w.anomalies(), w.anomalies()
-        print(f"\n{fault.__doc__}: {report.summary()}")
-        return report
-    finally:
-        w.close()
+def _run(cl, fault):
+    """The standard workload over `cl` through `fault()` (under_load): the checker's Report."""
+    report = under_load(cl, fault, rate=8.0)
+    print(f"\n{fault.__doc__}: {report.summary()}")
+    assert report.pending == 0 and report.protocol_errors == 0, report.summary()
+    return report
 
 
 def test_kill9_and_restart_on_its_data_dir_loses_nothing_acknowledged(cluster):
@@ -240,7 +227,7 @@ def test_kill9_and_restart_on_its_data_dir_loses_nothing_acknowledged(cluster):
     r = _run(cl, kill_and_restart)
     assert r.ok, r.summary()
     assert r.acknowledged > 100 and r.expected > 6 * 100  # (a real load, to every subscriber)
-    assert r.sessions_lost == 0 and r.failovers == 0
+    assert r.sessions_lost == 0 and r.failovers == 0 and r.recovery is not None
     assert r.reconnects >= 4 and r.unavailable > 1.0  # b's four clients came back after b did
 
 

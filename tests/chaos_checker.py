@@ -18,7 +18,9 @@ The workload (chaos_workload.py) hands over what each client saw, as plain recor
   counts each that comes after a later one);
 - the retained message of each topic, as each node answers a new subscription, is the last
   acknowledged retained change (a later change not acknowledged may have landed too);
-- at most one owner per client id (figures the harness reads from the nodes and etcd);
+- at most one owner per client id: the figures the harness reads from the nodes and etcd
+  at the end, and every DISCONNECT "session taken over" (0x8E) a client was given, which
+  no node may send a workload client (it never opens a second connection);
 
 and reports the clients' failovers (a reconnection landing on another node), the sessions
 lost (CONNACK session present 0 to a client that had one) and the longest unavailability:
@@ -38,6 +40,7 @@ class PublisherLog:
     refused: int = 0  # acknowledgements with a failure reason code (sent again later)
     connects: list = field(default_factory=list)  # (at, node, session present)
     stopped_at: float = None  # when it stopped sending new messages
+    taken_over: list = field(default_factory=list)  # (at, node): DISCONNECT 0x8E, session taken over
 
 
 @dataclass
@@ -48,6 +51,7 @@ class SubscriberLog:
     subscribed_at: float = None  # first SUBACK
     deliveries: list = field(default_factory=list)  # (at, topic, payload, qos, retain, dup, node, packet id)
     connects: list = field(default_factory=list)
+    taken_over: list = field(default_factory=list)
 
 
 def topic_matches(flt, topic):
@@ -183,6 +187,10 @@ def check(pubs, subs, retained=None, ownership=None, until=None):
         r.sessions_lost += sl
         if sl:
             r.details.append(f"{client.name}: session lost {sl} time(s)")
+        if client.taken_over:  # (its only connection closed for another one: a second owner)
+            r.owners_bad += len(client.taken_over)
+            r.details.append(f"{client.name}: told its session was taken over (0x8E) on node "
+                             f"{client.taken_over[0][1]}, with no other connection")
     for s in subs:
         got = {}  # publisher -> [seq, ...] in arrival order (retained-on-subscribe copies left out)
         qos2 = {}
@@ -232,7 +240,7 @@ def check(pubs, subs, retained=None, ownership=None, until=None):
             r.retained_bad += len(wrong)
             r.details += [f"node {node}: {w}" for w in wrong]
     if ownership is not None:
-        r.owners_bad = ownership["bad"]
+        r.owners_bad += ownership["bad"]
         if ownership["bad"]:
             r.details.append(f"ownership: {ownership}")
     return r

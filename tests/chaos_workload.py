@@ -63,6 +63,7 @@ class _Client:
         self.decoder = None
         self.lock = threading.Lock()
         self.connects = []  # (at, node, session present)
+        self.taken_over = []  # (at, node) of each DISCONNECT "session taken over" (5.0)
         self.anomalies = []  # packets no broker should have sent
         self._last_in = self._last_out = 0.0
         self._stopping = threading.Event()
@@ -200,6 +201,8 @@ class _Client:
 
     def on_packet(self, pkt):
         if pkt.TYPE == C.DISCONNECT:
+            if pkt.reason_code == C.SESSION_TAKEN_OVER:  # (this client never has two connections)
+                self.taken_over.append((time.time(), self.node))
             raise ConnectionDead(f"DISCONNECT {pkt.reason_code:#x}")
         if pkt.TYPE not in (C.PINGRESP,):
             self.anomalies.append(repr(pkt)[:200])
@@ -300,7 +303,7 @@ class Publisher(_Client):
         with self.lock:
             log = self.log
             return PublisherLog(log.name, log.qos, dict(log.sent), dict(log.acked), set(log.released),
-                                log.refused, list(self.connects), log.stopped_at)
+                                log.refused, list(self.connects), log.stopped_at, list(self.taken_over))
 
 
 class Subscriber(_Client):
@@ -355,7 +358,7 @@ class Subscriber(_Client):
         with self.lock:
             log = self.log
             return SubscriberLog(log.name, log.qos, log.filter, log.subscribed_at, list(log.deliveries),
-                                 list(self.connects))
+                                 list(self.connects), list(self.taken_over))
 
 
 class Workload:

@@ -207,9 +207,9 @@ def test_a_node_cut_from_etcd_keeps_its_links(cluster, clients):
 # --- workload and checker on real faults ----------------------------------------------------------
 
 
-def _run(cl, fault):
+def _run(cl, fault, failover="home"):
     """The standard workload over `cl` through `fault()` (under_load): the checker's Report."""
-    report = under_load(cl, fault, rate=8.0)
+    report = under_load(cl, fault, rate=8.0, failover=failover)
     print(f"\n{fault.__doc__}: {report.summary()}")
     assert report.pending == 0 and report.protocol_errors == 0, report.summary()
     return report
@@ -234,19 +234,20 @@ def test_kill9_and_restart_on_its_data_dir_loses_nothing_acknowledged(cluster):
 def test_without_replication_a_node_lost_for_good_loses_acknowledged_messages(cluster):
     # TODAY'S LIMIT (issue 33): with [cluster] replicas = 1, a node's sessions live on its
     # disk alone. Its data dir deleted and an empty node started under its name, its
-    # persistent subscribers come back to no session (session present 0) and miss what the
-    # other nodes acknowledged while it was gone. The checker must say so. With replication
-    # (replicas 3, min_insync 2) this becomes a test that nothing is lost.
+    # clients reconnect to the other nodes (clean start 0), find no session there
+    # (session present 0: the node that held it does not answer) and its subscribers miss
+    # what was acknowledged before they subscribed again. The checker must say so. With
+    # replication (replicas 3, min_insync 2) this becomes a test that nothing is lost.
     cl = cluster()
 
     def lose_b():
         """node b lost for good (kill -9, data dir deleted, empty node started)"""
         cl["b"].wipe()
 
-    r = _run(cl, lose_b)
+    r = _run(cl, lose_b, failover="any")
     assert r.lost > 0, r.summary()
-    assert r.sessions_lost >= 4  # b's two subscribers and two publishers
-    assert r.duplicates == 0 and r.retained_bad == 0 and r.owners_bad == 0, r.summary()
+    assert r.failovers >= 4 and r.sessions_lost >= 4  # b's two subscribers and two publishers
+    assert r.retained_bad == 0 and r.owners_bad == 0, r.summary()
 
 
 # --- the checker's rules on made-up logs ------------------------------------------------------------
@@ -298,6 +299,9 @@ def test_checker_holds_retained_state_to_the_last_acknowledged_change():
 def test_checker_reports_failovers_lost_sessions_and_the_longest_gap():
     p = _pub("p", 1, acked=[0, 1, 2, 6, 7], sent=[0, 1, 2, 3, 4, 5, 6, 7])
     p.connects = [(1000, "a", False), (1003, "b", False), (1004, "b", True)]
+    assert check([p], []).ok
     r = check([p], [], ownership={"bad": 1})
     assert (r.failovers, r.sessions_lost, r.reconnects, r.owners_bad) == (1, 1, 2, 1) and not r.ok
+    p.taken_over = [(1005.0, "b")]  # a node closed its only connection for "another" one
+    assert check([p], []).owners_bad == 1
     assert unavailability(p) == pytest.approx(4.0)  # acknowledgements at 1002.5, then 1006.5

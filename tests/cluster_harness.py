@@ -1,7 +1,7 @@
 """Fault tests of a cluster: real etcd, real `wrenmq serve` nodes, and a network the test controls.
 
-- `EtcdCluster(tmp, size=3)`: etcd members on loopback ports forming one cluster (size 1 is
-  the single server the cluster tests use); kill, stop and restart a member, ask its health.
+- `EtcdCluster(tmp, size=3)`: etcd members on loopback ports forming one cluster (size 1: a
+  single server); kill, stop and restart a member, ask its health.
 - `Cluster(tmp, etcd, nodes="abc")`: `wrenmq serve` nodes with disk storage, each with its own
   ports and data dir, extra [cluster] keys and TOML per node (`replicas`, `min_insync` when
   replication lands); per node: kill -9, restart on its data dir, wipe (the data dir deleted:
@@ -56,22 +56,13 @@ from pathlib import Path
 
 from chaos_checker import Report, check, expected_retained, retained_errors  # noqa: F401 (re-exported)
 from chaos_workload import Publisher, Subscriber, Workload, retained_state  # noqa: F401 (re-exported)
+from mqtt_helpers import wait_for
 from wrenmq.cluster import frames as F
 from wrenmq.ports import free_port, wait_port
 
 ETCD = shutil.which("etcd")
 WRENMQ = str(Path(sys.executable).with_name("wrenmq"))
 _SECRET = "harness-secret"
-
-
-def wait_until(pred, timeout, interval=0.1):
-    """Poll `pred` until it returns something truthy (returned) or `timeout` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while True:
-        r = pred()
-        if r or time.monotonic() >= deadline:
-            return r
-        time.sleep(interval)
 
 
 def _http(url, body=None, timeout=2.0):
@@ -203,7 +194,7 @@ class EtcdCluster:
         m = self.member(which)
         assert not m.running, f"etcd member {m.name} is running"
         m.start(self.initial)
-        assert wait_until(m.healthy, timeout), f"etcd member {m.name} did not come back healthy"
+        assert wait_for(m.healthy, timeout, 0.1), f"etcd member {m.name} did not come back healthy"
 
     def health(self):
         """{member name: healthy}."""
@@ -211,7 +202,7 @@ class EtcdCluster:
 
     def wait_healthy(self, members=None, timeout=30):
         names = members or [m.name for m in self.members]
-        ok = wait_until(lambda: all(self.member(n).healthy() for n in names), timeout)
+        ok = wait_for(lambda: all(self.member(n).healthy() for n in names), timeout, 0.1)
         assert ok, f"etcd members not healthy: {self.health()}"
 
     def _call(self, path, body):
@@ -681,7 +672,7 @@ class Cluster:
         return True
 
     def wait_stable(self, timeout=60):
-        ok = wait_until(self.stable, timeout, interval=0.25)
+        ok = wait_for(self.stable, timeout, interval=0.25)
         assert ok, f"cluster {self.name} not stable after {timeout} s: {self.describe()}"
 
     def describe(self):
@@ -824,7 +815,7 @@ def under_load(cluster, fault, *, rate=10.0, failover="home", before=2.0, after=
         began = time.time()
         fault()
         ended = time.monotonic()
-        recovery = time.monotonic() - ended if wait_until(cluster.stable, recover, 0.25) else None
+        recovery = time.monotonic() - ended if wait_for(cluster.stable, recover, 0.25) else None
         if recovery is None:
             state = cluster.describe()
             if repair is None:

@@ -241,8 +241,7 @@ def check(pubs, subs, retained=None, ownership=None, until=None):
             r.details += [f"node {node}: {w}" for w in wrong]
     if ownership is not None:
         r.owners_bad += ownership["bad"]
-        if ownership["bad"]:
-            r.details.append(f"ownership: {ownership}")
+        r.details += [f"ownership: {p}" for p in ownership.get("problems", ())]
     return r
 
 

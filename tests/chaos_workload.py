@@ -370,6 +370,7 @@ class Workload:
     def __init__(self, addresses, *, prefix=None, rate=10.0, window=10, failover="home", nodes=None):
         self.addresses = dict(addresses)
         self.prefix = prefix or f"chaos/{uuid.uuid4().hex[:8]}"
+        self.client_prefix = f"{self.prefix.replace('/', '-')}-"  # of every client id of the workload
         homes = nodes or list(self.addresses)
         flt = f"{self.prefix}/m/#"
         self.subscribers = [Subscriber(f"s{n}{q}", v, q, self.addresses, n, flt, failover=failover,

@@ -50,6 +50,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -473,6 +474,7 @@ class Node:
         self.name = name
         self.port = free_port()  # MQTT
         self.metrics_port = free_port()
+        self.admin_port = free_port()  # the admin API, read-only without credentials (loopback)
         self.link_port = free_port()
         net = cluster.net
         self.link_relay = net.relay(self.link_port, dst=name)  # what the other nodes connect to
@@ -496,6 +498,8 @@ class Node:
                 **c.cluster_options, **c.node_options.get(self.name, {}).get("cluster", {})}
         return (f"[[listener]]\nbind = \"127.0.0.1\"\nport = {self.port}\n"
                 f"[[listener]]\ntype = \"metrics\"\nbind = \"127.0.0.1\"\nport = {self.metrics_port}\n"
+                f"[[listener]]\ntype = \"admin\"\nbind = \"127.0.0.1\"\nport = {self.admin_port}\n"
+                f"anonymous = \"read\"\n"
                 f"[storage]\ndata_dir = {_toml_value(str(self.data_dir))}\nfsync = {_toml_value(c.fsync)}\n"
                 f"[sys]\ninterval = 0.5\n"
                 f"[logging]\nlevel = \"info\"\n"
@@ -572,6 +576,21 @@ class Node:
         except OSError:
             return {}
 
+    def sessions(self, prefix=""):
+        """The sessions this node holds (its own, not the cluster's) whose client id starts
+        with `prefix`: the admin API's items ({"client_id", "connected", ...})."""
+        items, cursor = [], None
+        while True:
+            query = urllib.parse.urlencode({"local": "true", "prefix": prefix, "limit": 1000,
+                                            **({"cursor": cursor} if cursor else {})})
+            got = _http(f"http://127.0.0.1:{self.admin_port}/api/v1/clients?{query}", timeout=5.0)
+            if got is None:
+                raise ConnectionError(f"node {self.name}'s admin API does not answer")
+            items += got["items"]
+            cursor = got.get("next")
+            if not cursor:
+                return items
+
     @property
     def log(self):
         return self.log_path.read_text(errors="replace")
@@ -645,16 +664,6 @@ class Cluster:
         start = len(self.prefix) + len("clients/")
         return {k[start:]: v for k, v in self.etcd.get_prefix(f"{self.prefix}clients/").items()}
 
-    def sessions_held(self):
-        """{node: sessions it holds (connected or not)} of the nodes that answer."""
-        out = {}
-        for n, node in self.nodes.items():
-            if node.alive:
-                m = node.metrics()
-                if "wrenmq_sessions" in m:
-                    out[n] = int(m["wrenmq_sessions"])
-        return out
-
     def stable(self):
         """True when every running node is registered, reaches etcd, and has its links to
         every other running node up (and etcd lists no node that is not running)."""
@@ -689,17 +698,25 @@ class Cluster:
                          f"links up {m.get('wrenmq_cluster_links_up')}")
         return f"registered {reg}; " + "; ".join(lines) + f"; cuts {list(map(sorted, self.net.cuts))}"
 
-    def ownership(self, clients):
-        """How many of `clients` ({client id: the node it is connected to now}) break "one
-        owner per client id": the sessions the live nodes hold beyond one per client id
-        (two nodes holding one id), and the clients whose `clients/` key in etcd names
-        another node than the one they are connected to. Call it with the cluster stable
-        and no other persistent session in it."""
-        held = sum(self.sessions_held().values())
+    def ownership(self, clients, prefix=""):
+        """What breaks "one owner per client id" for the client ids starting with `prefix`:
+        each client id held by one live node only (its own list of sessions, connected or
+        not, from its admin API), and for each of `clients` ({client id: the node it is
+        connected to now}), that node, holding it as connected, and etcd's `clients/` key
+        naming it. {"bad": how many, "problems": [...]}; call it with the cluster whole."""
+        held = {}  # client id -> [(node, connected)]
+        for n, node in self.nodes.items():
+            if node.alive:
+                for item in node.sessions(prefix):
+                    held.setdefault(item["client_id"], []).append((n, item["connected"]))
         owners = self.client_owners()
-        wrong = [cid for cid, node in clients.items() if owners.get(cid) != node]
-        return {"extra_sessions": max(0, held - len(clients)), "missing_sessions": max(0, len(clients) - held),
-                "wrong_owner": sorted(wrong), "bad": max(0, held - len(clients)) + len(wrong)}
+        problems = [f"{cid}: held by {sorted(h)}" for cid, h in sorted(held.items()) if len(h) > 1]
+        for cid, node in sorted(clients.items()):
+            if held.get(cid) != [(node, True)] and len(held.get(cid, ())) <= 1:
+                problems.append(f"{cid}: connected to node {node}, held as {held.get(cid)}")
+            if owners.get(cid) != node:
+                problems.append(f"{cid}: connected to node {node}, etcd names {owners.get(cid)}")
+        return {"bad": len(problems), "problems": problems}
 
     def watch_membership(self, period=0.25):
         """A started MembershipWatch of this cluster (`.stop()` returns what it saw)."""
@@ -790,7 +807,7 @@ def finish(cluster, workload, drain=60.0, settle=60.0, propagation=10.0):
                            propagation)
                 for n, node in cluster.nodes.items() if node.alive}
     clients = workload.connected()
-    ownership = settled(lambda: cluster.ownership(clients), lambda o: o["bad"], propagation)
+    ownership = settled(lambda: cluster.ownership(clients, workload.client_prefix), lambda o: o["bad"], propagation)
     report = check(pubs, subs, retained, ownership, workload.stopped_at)
     report.pending = pending
     for cid, seen in workload.anomalies().items():

@@ -212,6 +212,25 @@ def test_a_node_cut_from_etcd_keeps_its_links(cluster, clients):
     assert cl.registered() == {"a", "b", "c"}
 
 
+def test_ownership_shows_a_client_id_held_by_two_nodes(cluster, clients):
+    # A node cut from etcd keeps the sessions it holds while its lease, and with it the
+    # client's registration, runs out: the client, connecting to another node with clean
+    # start 0, gets a new session there. Two nodes hold its id until the first is back.
+    cl = cluster()
+    cid = uid("owned")
+    first = clients(cl["a"].port, client_id=cid, clean=False, properties={"SessionExpiryInterval": 300})
+    assert wait_for(lambda: cl.client_owners().get(cid) == "a", 5, 0.1)
+    assert cl.ownership({cid: "a"}, cid) == {"bad": 0, "problems": []}
+    first.disconnect()
+    cl.cut_from_etcd("a", mode="reset")
+    assert wait_for(lambda: "a" not in cl.registered(), TTL + 10, 0.1)
+    clients(cl["b"].port, client_id=cid, clean=False, properties={"SessionExpiryInterval": 300})
+    assert wait_for(lambda: cl.client_owners().get(cid) == "b", 5, 0.1)  # (b registers it a moment later)
+    own = cl.ownership({cid: "b"}, cid)
+    assert own["bad"] == 1 and own["problems"] == [f"{cid}: held by [('a', False), ('b', True)]"], own
+    cl.heal()
+
+
 # --- workload and checker on real faults ----------------------------------------------------------
 
 

@@ -13,7 +13,9 @@
   session as data), and partition replication's core (`replication.py`,
   `replication_control.py`, `replication_epochs.py`, `replication_frames.py`);
 - `linkview.py` (each node's view of its links, in etcd) and `status.py` (`wrenmq
-  cluster status`); `etcd.py`: the etcd client (aetcd's, with a TLS channel when asked).
+  cluster status`); `etcd.py`: the etcd client (aetcd's, with a TLS channel when asked) and
+  the session over all of [cluster] etcd's endpoints that every etcd user holds
+  (`etcd_session`): it goes on to another member when the one in use is lost.
 """
 
 RETRY = (0.2, 0.5, 1.0, 2.0, 5.0)  # seconds between attempts (etcd, links), the last repeated
@@ -35,6 +37,16 @@ def etcd_client(cfg, endpoint):
         return etcd.client(cfg, host or "127.0.0.1", int(port))
     except etcd.EtcdTLSError as e:
         raise ClusterError(str(e)) from None
+
+
+def etcd_session(cfg):
+    """An (unconnected) etcd.Session over every endpoint of a [cluster] section: one client
+    at a time, replaced by one of the next member when its owner recovers from a failure."""
+    try:
+        from . import etcd
+    except ImportError:
+        raise ClusterError("[cluster] needs the etcd client: pip install 'wrenmq[cluster]'") from None
+    return etcd.Session(cfg, lambda endpoint: etcd_client(cfg, endpoint))
 
 
 def etcd_failure(cfg, exc):

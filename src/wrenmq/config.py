@@ -315,7 +315,9 @@ class ClusterSection:
     name: str = _key("wrenmq", "Cluster name: nodes with the same name and etcd form one broker "
                      "(keys under /wrenmq/<name>/).")
     node: str = _key("", "This node's name, unique in the cluster; empty = <hostname>-<first listener port>.")
-    etcd: list = _key(["127.0.0.1:2379"], "etcd endpoints (host:port), tried in order.")
+    etcd: list = _key(["127.0.0.1:2379"], "etcd endpoints (host:port), one per member of the etcd "
+                      "cluster: the node uses the first that answers, and goes on to the next ones in "
+                      "turn when the member it uses is lost.")
     etcd_username: str = _key("", "etcd user, when etcd has authentication on (the user needs read and "
                               "write on /wrenmq/<name>/ and leases).")
     etcd_password: str = _key("", "That user's password.")

@@ -619,6 +619,7 @@ class Api:
                     node["rates"] = data["rates"]
                 out["nodes"].append(node)
             out["etcd_connected"] = bool(cluster.etcd_up)
+            out["etcd_endpoint"] = cluster.etcd_endpoint
         sample = self.admin.feed.history[-1] if self.admin.feed.history else None
         if sample is not None:
             me["connected"] = sample["figures"]["connected"]

@@ -106,6 +106,9 @@ METRICS = (
      "Other nodes this node's link to is connected."),
     ("$SYS/broker/cluster/etcd/connected", "wrenmq_cluster_etcd_connected", "gauge",
      "1 while the node's etcd session (lease, watch) is up."),
+    ("$SYS/broker/cluster/etcd/switches", "wrenmq_cluster_etcd_switches_total", "counter",
+     "Times the node's etcd session went on to another etcd member ([cluster] etcd) than the one it "
+     "had (that member was lost, or did not answer)."),
     ("$SYS/broker/cluster/messages/forwarded", "wrenmq_cluster_forwarded_messages_total", "counter",
      "Messages written to other nodes' links (once per node)."),
     ("$SYS/broker/cluster/messages/received", "wrenmq_cluster_received_messages_total", "counter",

@@ -15,8 +15,10 @@ reads the rest, and watches the prefix from there on: a node registered is linke
 (links.py), one gone is dropped, the others' filters go to `Cluster.remote`, and a
 client registered elsewhere ends its session here. Writes are gathered per loop turn
 into transactions (`write`). When etcd goes, the node routes with what it knows and
-comes back: it writes what changed and reads everything again if its lease lived,
-else it joins again.
+comes back, through the next of the [cluster] etcd endpoints each time (the member it
+used may be the one that went: etcd.Session): it writes what changed and reads
+everything again if its lease lived (kept alive on that member from then on), else it
+joins again.
 """
 
 import asyncio
@@ -24,7 +26,7 @@ import json
 import logging
 import time
 
-from . import RETRY, ClusterError, etcd_client, etcd_failure
+from . import ClusterError, etcd_failure, etcd_session
 from .interest import CLIENTS, NODES, ROUTES, parse_route_key, parse_route_value
 
 log = logging.getLogger("wrenmq.cluster")
@@ -49,8 +51,7 @@ class Membership:
     def __init__(self, cluster):
         self.cluster = cluster
         self.cfg = cluster.cfg
-        self.etcd = None
-        self.endpoint = None
+        self.etcd = None  # etcd.Session: the member in use, and the others to go on to
         self.lease = None
         self.etcd_up = False
         self.stopping = False
@@ -73,25 +74,20 @@ class Membership:
 
     # --- joining and leaving --------------------------------------------------------
 
+    @property
+    def endpoint(self):
+        """The etcd endpoint ("host:port") in use; None while none is."""
+        return self.etcd.endpoint if self.etcd is not None else None
+
     async def connect(self):
         """Reach etcd at the first of the endpoints that answers; ClusterError if none does."""
         cfg = self.cfg
-        last = None
-        for endpoint in cfg.etcd:
-            client = None
-            try:
-                client = etcd_client(cfg, endpoint)
-                await client.connect()
-                await client.status()
-                self.etcd = client
-                self.endpoint = endpoint
-                return
-            except Exception as e:  # any failure (no etcd client installed included): the next endpoint
-                last = e
-                if client is not None:
-                    await client.close()
-        raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)} ([cluster] etcd): "
-                           f"{etcd_failure(cfg, last)}")
+        self.etcd = etcd_session(cfg)
+        try:
+            await self.etcd.connect()
+        except Exception as e:
+            raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)} ([cluster] etcd): "
+                               f"{etcd_failure(cfg, e)}") from None
 
     async def register(self):
         """Take a lease, claim the node name, publish interest and clients, read the rest."""
@@ -198,7 +194,8 @@ class Membership:
 
     async def close(self):
         """Close the client (a start that failed)."""
-        await self.etcd.close()
+        if self.etcd is not None:
+            await self.etcd.close()
 
     def _announce(self):
         """This node's filters are all in etcd (it has just (re)joined): the HELLOs that
@@ -244,32 +241,24 @@ class Membership:
             await self._rejoin()
 
     async def _rejoin(self):
-        """Back to etcd: resync if the lease lived, else join again; retried with a backoff,
-        a log line a minute while it fails."""
-        attempt = 0
-        said = 0.0
-        while not self.stopping:
-            await asyncio.sleep(RETRY[min(attempt, len(RETRY) - 1)])
-            attempt += 1
-            try:
-                alive = self.lease is not None and (await self.lease.remaining_ttl()) > 0
-                if alive:
-                    await self._flush_pending()
-                    if self.announced is None:  # (a register that failed after its claim)
-                        self._announce()
-                    await self._resync()
-                else:
-                    log.warning("cluster: this node's lease ran out; joining again")
-                    await self.register()
-                log.info("cluster: etcd session back (after %d attempt(s))", attempt)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                now = time.monotonic()
-                if now - said >= 60:
-                    said = now
-                    log.warning("cluster: rejoining through etcd failed (%s: %s); retrying", type(e).__name__, e)
+        """Back to etcd, through the next endpoint each attempt, with a backoff (a log line
+        a minute while it fails): `_resume`."""
+        attempts = await self.etcd.recover(self._resume, lambda: self.stopping, "cluster: rejoining through etcd")
+        if attempts:
+            log.info("cluster: etcd session back through %s (after %d attempt(s))", self.endpoint, attempts)
+
+    async def _resume(self):
+        """On the member just reached: if the lease lived, keep it alive there at once (the
+        switch may have taken most of its TTL), write what changed and read everything
+        again; else join again."""
+        if self.lease is not None and await self.etcd.keep_alive(self.lease) > 0:
+            await self._flush_pending()
+            if self.announced is None:  # (a register that failed after its claim)
+                self._announce()
+            await self._resync()
+        else:
+            log.warning("cluster: this node's lease ran out; joining again")
+            await self.register()
 
     async def _watch_and_keep_alive(self):
         prefix = self.cluster.prefix
@@ -302,9 +291,7 @@ class Membership:
         period = max(0.5, self.cfg.lease_ttl / 3)
         while True:
             await asyncio.sleep(period)
-            reply = await self.lease.refresh()
-            ttl = getattr(reply[0] if isinstance(reply, list) and reply else reply, "TTL", 1)
-            if ttl <= 0:
+            if await self.etcd.keep_alive(self.lease) <= 0:
                 raise ConnectionError("lease expired")
 
     # --- what etcd says ------------------------------------------------------------

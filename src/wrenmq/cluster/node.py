@@ -82,6 +82,11 @@ class Cluster:
         return self.membership.etcd_up
 
     @property
+    def etcd_endpoint(self):
+        """The etcd endpoint ("host:port") this node's session uses; None while none."""
+        return self.membership.endpoint
+
+    @property
     def route_seq(self):
         """The number of this node's last change of its filters (`after_routes`)."""
         return self.routes.seq
@@ -176,6 +181,8 @@ class Cluster:
             "$SYS/broker/cluster/nodes": 1 + len(self.peers),
             "$SYS/broker/cluster/links_up": sum(1 for p in self.peers.values() if p.up),
             "$SYS/broker/cluster/etcd/connected": int(self.membership.etcd_up),
+            "$SYS/broker/cluster/etcd/endpoint": self.etcd_endpoint or "",
+            "$SYS/broker/cluster/etcd/switches": self.membership.etcd.switches if self.membership.etcd else 0,
             "$SYS/broker/cluster/messages/forwarded": links.forwarded,
             "$SYS/broker/cluster/messages/received": self.forwarding.received,
             "$SYS/broker/cluster/messages/dropped": links.dropped,

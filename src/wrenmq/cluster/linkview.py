@@ -5,16 +5,18 @@ node died; the nodes linked to it know within moments (its link's TCP connection
 or it goes silent: every node sends each node linked to it a MARK a second). So each node
 writes its view of its links to `links/<node>` (on its lease, like its other keys):
 
-    {"at": <wall time of the view>, "silent_after": 5.0,
+    {"at": <wall time of the view>, "silent_after": 5.0, "etcd": "<host:port>",
      "peers": {"<node>": {"state": "up", "since": <wall time>, "heard": <wall time>}, ...}}
 
 `state` is "up" (both links live), "catching up" (this node's link to it is replaying
 from the log before it goes live), "out only" / "in only" (one of the two links is
 missing), "silent" (a link is open but nothing came over it for `silent_after` seconds)
 or "down" (no link). `heard` is when the last frame came from that node, over either
-link, `since` when the state began. The key is written when a state changes (looked at
-twice a second), not periodically: a steady cluster writes nothing, and a state that is
-not "silent" or "down" means heard within `silent_after`.
+link, `since` when the state began. `etcd` is the etcd endpoint the node's session uses
+(which member: an operator about to restart one sees whose session moves). The key is
+written when a state or that endpoint changes (looked at twice a second), not
+periodically: a steady cluster writes nothing, and a state that is not "silent" or
+"down" means heard within `silent_after`.
 """
 
 import asyncio
@@ -53,14 +55,15 @@ def link_states(links, now):
 
 
 class LinkReporter:
-    """Writes `links/<node>` for a Cluster: at its start, when a link's state changes, and
-    again after the node's lease changed (a rejoin: the old lease took the key along)."""
+    """Writes `links/<node>` for a Cluster: at its start, when a link's state or the etcd
+    endpoint in use changes, and again after the node's lease changed (a rejoin: the old
+    lease took the key along)."""
 
     def __init__(self, cluster):
         self.cluster = cluster
         self.key = f"{cluster.prefix}{LINKS}{cluster.node}".encode()
         self.states = {}  # node -> (state, since)
-        self.written = None  # ({node: state}, lease) last written
+        self.written = None  # ({node: state}, lease, etcd endpoint) last written
         self.failed_at = float("-inf")  # time.monotonic() of the last failed write
         self.task = None
 
@@ -81,7 +84,8 @@ class LinkReporter:
             t = heard.get(name)
             return None if t is None else round(wall - (now - t), 3)
 
-        return json.dumps({"at": round(wall, 3), "silent_after": SILENT_AFTER, "peers": {
+        return json.dumps({"at": round(wall, 3), "silent_after": SILENT_AFTER,
+                           "etcd": self.cluster.etcd_endpoint, "peers": {
             name: {"state": state, "since": since, "heard": at(name)}
             for name, (state, since) in sorted(self.states.items())}}).encode()
 
@@ -101,7 +105,7 @@ class LinkReporter:
             wall, now = time.time(), time.monotonic()
             self.look(wall, now)
             lease = membership.lease
-            snapshot = ({n: s for n, (s, _) in self.states.items()}, lease)
+            snapshot = ({n: s for n, (s, _) in self.states.items()}, lease, membership.endpoint)
             if (snapshot != self.written and lease is not None and membership.etcd_up
                     and now - self.failed_at >= _RETRY_AFTER):
                 try:

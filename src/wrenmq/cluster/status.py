@@ -1,42 +1,52 @@
 """`wrenmq cluster status`: what etcd says about a cluster, read the way the nodes read it.
 
-Per node: the address of its link, how many topic filters it subscribes to (shared
-ones apart) and how many clients' last connection is there; and, as the node of the
-configuration given (the asking node) sees it, the state of its links to that node and
-how long ago it last heard from it (linkview.py). etcd keeps a dead node's keys until
-its lease runs out; the asking node's view says it is down within moments.
+Per node: the address of its link, the etcd endpoint its session uses, how many topic
+filters it subscribes to (shared ones apart) and how many clients' last connection is
+there; and, as the node of the configuration given (the asking node) sees it, the state
+of its links to that node and how long ago it last heard from it (linkview.py). etcd
+keeps a dead node's keys until its lease runs out; the asking node's view says it is
+down within moments. etcd is read through the first endpoint whose member answers and
+serves (one that is down is passed over), as a node's session does.
 """
 
 import asyncio
 import json
 import time
 
-from . import ClusterError, etcd_client, etcd_failure
+from . import ClusterError, etcd_failure, etcd_session
 from .interest import CLIENTS, NODES, ROUTES, parse_route_key
 from .linkview import LINKS
 
 
-async def read_status(cfg, asking=None):
-    """({node: {"link", "filters", "shared", "clients"}}, the view of node `asking` of its
-    links (linkview's JSON) or None) from etcd (cfg: a [cluster] section)."""
-    prefix = f"/wrenmq/{cfg.name}/"
+async def _read(cfg, prefix):
+    """(every key under `prefix`, the endpoint that answered): each endpoint in turn until
+    one's member serves the read."""
+    session = etcd_session(cfg)
     last = None
-    for endpoint in cfg.etcd:
-        client = etcd_client(cfg, endpoint)
-        try:
-            got = await client.get_prefix(prefix.encode())
-            break
-        except Exception as e:
-            last = e
-        finally:
-            await client.close()
-    else:
-        raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)}: {etcd_failure(cfg, last)}")
+    try:
+        for _ in cfg.etcd:
+            try:
+                await session.reconnect()  # (the first endpoint, then the next)
+                return await session.get_prefix(prefix.encode()), session.endpoint
+            except Exception as e:
+                last = e
+    finally:
+        await session.close()
+    raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)}: {etcd_failure(cfg, last)}")
+
+
+async def read_status(cfg, asking=None):
+    """({node: {"link", "etcd", "filters", "shared", "clients"}}, the view of node `asking`
+    of its links (linkview's JSON) or None, the etcd endpoint read through) from etcd (cfg:
+    a [cluster] section)."""
+    prefix = f"/wrenmq/{cfg.name}/"
+    got, endpoint = await _read(cfg, prefix)
     nodes = {}
     view = None
+    used = {}  # node -> the etcd endpoint its session uses, as its view of its links says
 
     def node(name):
-        return nodes.setdefault(name, {"link": None, "filters": 0, "shared": 0, "clients": 0})
+        return nodes.setdefault(name, {"link": None, "etcd": None, "filters": 0, "shared": 0, "clients": 0})
 
     for kv in got:
         rest = kv.key.decode("utf-8", "replace")[len(prefix):]
@@ -51,14 +61,21 @@ async def read_status(cfg, asking=None):
                 node(parsed[0])["shared" if parsed[1] else "filters"] += 1
         elif rest.startswith(CLIENTS):
             node(kv.value.decode("utf-8", "replace"))["clients"] += 1
-        elif rest == f"{LINKS}{asking}":
+        elif rest.startswith(LINKS):
             try:
-                view = json.loads(kv.value)
-                if not isinstance(view.get("peers"), dict):
-                    view = None
+                seen = json.loads(kv.value)
+                if not isinstance(seen.get("peers"), dict):
+                    seen = None
             except (ValueError, AttributeError):
-                view = None
-    return nodes, view
+                seen = None
+            name = rest[len(LINKS):]
+            if seen is not None and isinstance(seen.get("etcd"), str):
+                used[name] = seen["etcd"]
+            if name == asking:
+                view = seen
+    for name, v in nodes.items():
+        v["etcd"] = used.get(name)
+    return nodes, view, endpoint
 
 
 def _seen(view, name, asking, now):
@@ -89,7 +106,7 @@ def status_command(cfg, as_json=False):
 
     asking = cluster_node_name(cfg)
     try:
-        nodes, view = asyncio.run(read_status(cfg.cluster, asking))
+        nodes, view, endpoint = asyncio.run(read_status(cfg.cluster, asking))
     except ClusterError as e:
         print(f"wrenmq: cluster {cfg.cluster.name}: {e}")
         return 1
@@ -102,17 +119,20 @@ def status_command(cfg, as_json=False):
         v["state_for"] = None if since is None else round(since, 1)
     if as_json:
         print(json.dumps({"cluster": cfg.cluster.name, "seen_from": asking if view is not None else None,
-                          "nodes": nodes}, indent=1, sort_keys=True))
+                          "etcd": endpoint, "nodes": nodes}, indent=1, sort_keys=True))
         return 0
     live = sorted(n for n, v in nodes.items() if v["link"])
-    print(f"cluster {cfg.cluster.name}: {len(live)} node(s) (etcd {', '.join(cfg.cluster.etcd)})")
+    others = [e for e in cfg.cluster.etcd if e != endpoint]
+    print(f"cluster {cfg.cluster.name}: {len(live)} node(s) (etcd {endpoint}"
+          + (f"; also {', '.join(others)}" if others else "") + ")")
     if view is not None:
         print(f"links as node {asking} sees them (a link over which nothing came for {silent_after:g} s "
               f"is \"silent\")")
     else:
         print(f"(node {asking} of this configuration is not running: no view of the links; etcd keeps a "
               f"node that died until its lease runs out)")
-    print(f"{'node':<24} {'link':<22} {'state':<18} {'last heard':<12} {'filters':>8} {'shared':>7} {'clients':>8}")
+    print(f"{'node':<24} {'link':<22} {'etcd':<22} {'state':<18} {'last heard':<12} {'filters':>8} {'shared':>7} "
+          f"{'clients':>8}")
     for name in sorted(nodes):
         v = nodes[name]
         link = v["link"] or "(gone: keys left)"
@@ -120,5 +140,6 @@ def status_command(cfg, as_json=False):
         if v["state_for"] is not None and state in ("down", "silent"):
             state = f"{state} for {v['state_for']:.0f} s"
         heard = "-" if name == asking or view is None else _heard_text(v["state"], v["heard_ago"], silent_after)
-        print(f"{name:<24} {link:<22} {state:<18} {heard:<12} {v['filters']:>8} {v['shared']:>7} {v['clients']:>8}")
+        print(f"{name:<24} {link:<22} {v['etcd'] or '-':<22} {state:<18} {heard:<12} {v['filters']:>8} "
+              f"{v['shared']:>7} {v['clients']:>8}")
     return 0

@@ -223,6 +223,15 @@ class EtcdCluster:
     def keys(self, prefix):
         return sorted(self.get_prefix(prefix))
 
+    def entries(self, prefix):
+        """{key: (value, create revision, lease id)} of every key under `prefix`, read
+        through a quorum: a key deleted and put again since an earlier read has another
+        create revision, one put on another lease another lease id."""
+        got = self._call("kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))})
+        return {base64.b64decode(kv["key"]).decode(): (base64.b64decode(kv.get("value", "")).decode(),
+                                                       int(kv.get("create_revision", 0)), int(kv.get("lease", 0)))
+                for kv in got.get("kvs", [])}
+
     def put(self, key, value):
         self._call("kv/put", {"key": _b64(key), "value": _b64(value)})
 

@@ -105,10 +105,15 @@ class Broker:
         self.loop = asyncio.get_running_loop()
         _tune_gc()
         self._stopped = asyncio.Event()
-        self.router.on_timer = self._on_timer
+        clustered = self.config.cluster.enabled
+        # In a cluster, the timers of the sessions restored from disk (wills and expiries
+        # that fell due while the broker was down) wait until it has joined: a session whose
+        # client came back on another node meanwhile ends then, without its will
+        # (cluster/membership.py).
+        self.router.on_timer = None if clustered else self._on_timer
         if self.config.storage.mode == "disk":
             self._open_store()
-        if self.config.cluster.enabled:
+        if clustered:
             # Joined before the listeners open: no client publishes before its
             # messages can reach the other nodes.
             from ..cluster.node import Cluster
@@ -119,6 +124,10 @@ class Broker:
                 self._close_store_of_failed_start()
                 raise
             self.cluster = cluster
+            self.router.on_timer = self._on_timer
+            due = self.router.next_deadline()
+            if due is not None:
+                self._on_timer(due)
         try:
             await self.hooks.start(self)  # before the listeners: hooks see every client
         except BaseException:

@@ -136,7 +136,8 @@ METRICS = (
     ("$SYS/broker/cluster/routes/late", "wrenmq_cluster_routes_late_total", "counter",
      "SUBACKs sent without every linked node's confirmation of the new filter (1 s passed)."),
     ("$SYS/broker/cluster/takeovers", "wrenmq_cluster_takeovers_total", "counter",
-     "Sessions ended here because their client connected to another node with clean start 1."),
+     "Sessions ended here because their client connected to another node (clean start 1, or "
+     "while this node was away)."),
     ("$SYS/broker/cluster/sessions/handed_over", "wrenmq_cluster_sessions_handed_over_total", "counter",
      "Sessions sent to another node because their client reconnected there."),
     ("$SYS/broker/cluster/sessions/taken_over", "wrenmq_cluster_sessions_taken_over_total", "counter",

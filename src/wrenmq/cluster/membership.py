@@ -7,7 +7,8 @@ node that dies leaves the cluster when its lease runs out:
     routes/<node>/n/<filter>         it has subscribers to <filter> (value @<change number>)
     routes/<node>/s/<share>/<filter> it has members of $share/<share>/<filter>
                                      (value 1@<n> while one of them is connected, else 0@<n>)
-    clients/<client id>              <node>: the client's last connection is there
+    clients/<client id>              <node>: the client's last connection is there (a node
+                                     that (re)joins does not take it back: `_register_held`)
     links/<node>                     its view of its links to the others (linkview.py)
 
 A node takes the lease and its name (`register`), writes its filters and clients,
@@ -120,20 +121,99 @@ class Membership:
             raise ClusterError(f"node name {cluster.node!r} is already taken in cluster {cluster.name!r} "
                                f"(a live node holds it; set [cluster] node)")
         await cluster.links.serve()  # (the links' HELLOs are answered once the filters are written)
-        # This node's interest and clients as they are now; from here on the router
-        # reports changes (router.cluster is set in the same step: nothing is missed).
         router = cluster.router
+        # This node's clients as they are now. One that connected here while etcd was
+        # unreachable has its registration still to write, the newest as any
+        # connection's; the other sessions held here are registered only where no other
+        # node has registered their client since.
+        connected = {cid for cid in self._pending_clients if cid in router.sessions}
         self._pending.clear()
         self._owned.clear()
         self._pending_clients.clear()
-        for cid in router.sessions:
+        for cid in connected:
             self._register_client(cid)
+        await self._register_held(connected)
+        # And its interest; from here on the router reports changes (router.cluster is
+        # set in the same step: nothing is missed).
         self._pending.update(cluster.routes.recount(router.sessions))
         router.cluster = cluster
         self.written = max(self.written, _written_at(responses))
         await self._flush_pending()
         self._announce()
         await self._resync()
+
+    async def _register_held(self, connected):
+        """Register the clients of the sessions this node holds as it (re)joins (restored
+        from disk at start, or kept while its lease ran out and took their registrations
+        along), but those in `connected`, where no other node has registered them since,
+        and end the others here.
+
+        Every `clients/<client id>` key this node wrote hung on its old lease, gone now: a
+        key there is another node's newer registration (the client reconnected there while
+        this node was away), and taking it back would close that client's live connection
+        and bring back the session it left. So each key is put only if it is still absent
+        (or, should it name this node, unchanged), in one transaction per batch that reads
+        the batch's keys when a compare fails; a key found absent is tried again, one
+        registered elsewhere ends its session here. A client that connects here meanwhile
+        (a rejoin: the listeners are open) registers as any connection does, and that
+        newer registration decides: its session here is left alone."""
+        cluster = self.cluster
+        router = cluster.router
+        etcd = self.etcd
+        tx = etcd.transactions
+        prefix = f"{cluster.prefix}{CLIENTS}"
+        me = cluster.node.encode()
+        held = {cid: session for cid, session in router.sessions.items() if cid not in connected}
+        expect = dict.fromkeys(held, 0)  # client id -> the mod revision its key must have (0: absent)
+        while expect:
+            batch, size = [], 0
+            for cid, revision in expect.items():
+                key = f"{prefix}{cid}".encode()
+                size += 3 * len(key) + len(me)  # (the key is in the compare, the put and the read)
+                if len(batch) == _TXN_OPS or (batch and size > _TXN_BYTES):
+                    break
+                batch.append((cid, key, revision))
+            ok, responses = await etcd.transaction(
+                compare=[tx.mod(key) == revision for _, key, revision in batch],
+                success=[tx.put(key, me, lease=self.lease) for _, key, _ in batch],
+                failure=[tx.get(key) for _, key, _ in batch])
+            if ok:
+                written = _written_at(responses)
+                self.written = max(self.written, written)
+                for cid, _, _ in batch:
+                    del expect[cid]
+                    if self._still_held(cid, held):
+                        self._owned[cid] = written
+                continue
+            for (cid, _, _), found in zip(batch, responses):  # (found: [(value, kv)], [] if absent)
+                if not found:
+                    expect[cid] = 0
+                elif found[0][0] == me:
+                    expect[cid] = found[0][1].mod_revision
+                else:
+                    del expect[cid]
+                    if self._still_held(cid, held):
+                        self._ended_elsewhere(held[cid], found[0][0].decode("utf-8", "replace"))
+
+    def _still_held(self, cid, held):
+        """Client `cid`'s session is still the one `_register_held` found, and its client
+        has not connected here since (that connection's registration decides)."""
+        return cid not in self._pending_clients and self.cluster.router.sessions.get(cid) is held[cid]
+
+    def _ended_elsewhere(self, session, node):
+        """`session` was held here while its client registered on `node` (this node was
+        away): it ends here. Without a connection here, without its will: the client came
+        back, so MQTT sends none. A connection here is older than that registration (its
+        own was written before this node went away): it is taken over, as when the watch
+        tells."""
+        self.takeovers += 1
+        router = self.cluster.router
+        if session.conn is not None:
+            router.moved_away(session.client_id)
+            return
+        log.info("cluster: client %s reconnected on node %s while this node was away: its session here ends",
+                 session.client_id, node)
+        router.end_session(session, publish_will=False)
 
     def _registration(self):
         return json.dumps({**self.info, "link": self.cluster.advertise}).encode()

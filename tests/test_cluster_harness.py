@@ -212,23 +212,38 @@ def test_a_node_cut_from_etcd_keeps_its_links(cluster, clients):
     assert cl.registered() == {"a", "b", "c"}
 
 
-def test_ownership_shows_a_client_id_held_by_two_nodes(cluster, clients):
+def test_ownership_shows_a_client_id_held_by_two_nodes_until_the_first_is_back(cluster, clients):
     # A node cut from etcd keeps the sessions it holds while its lease, and with it the
     # client's registration, runs out: the client, connecting to another node with clean
-    # start 0, gets a new session there. Two nodes hold its id until the first is back.
+    # start 0, gets a new session there. Two nodes hold its id until the first is back,
+    # which then finds the client registered elsewhere and ends its own session, leaving
+    # the client's connection alone. A client that connected to the cut node meanwhile
+    # (after it had registered on another one) is that node's: its registration is the
+    # newest.
     cl = cluster()
-    cid = uid("owned")
-    first = clients(cl["a"].port, client_id=cid, clean=False, properties={"SessionExpiryInterval": 300})
-    assert wait_for(lambda: cl.client_owners().get(cid) == "a", 5, 0.1)
-    assert cl.ownership({cid: "a"}, cid) == {"bad": 0, "problems": []}
-    first.disconnect()
+    props = {"SessionExpiryInterval": 300}
+    ids = uid("owned")
+    cid, back = f"{ids}-moved", f"{ids}-back"
+    for c in (cid, back):
+        clients(cl["a"].port, client_id=c, clean=False, properties=props).disconnect()
+    assert wait_for(lambda: cl.client_owners().get(cid) == "a" == cl.client_owners().get(back), 5, 0.1)
+    assert cl.ownership({}, cid) == {"bad": 0, "problems": []}
     cl.cut_from_etcd("a", mode="reset")
     assert wait_for(lambda: "a" not in cl.registered(), TTL + 10, 0.1)
-    clients(cl["b"].port, client_id=cid, clean=False, properties={"SessionExpiryInterval": 300})
-    assert wait_for(lambda: cl.client_owners().get(cid) == "b", 5, 0.1)  # (b registers it a moment later)
+    moved = clients(cl["b"].port, client_id=cid, clean=False, properties=props)
+    moved._reconnect_on_failure = False
+    clients(cl["b"].port, client_id=back, clean=False, properties=props).disconnect()
+    assert wait_for(lambda: cl.client_owners().get(cid) == "b" == cl.client_owners().get(back), 5, 0.1)
     own = cl.ownership({cid: "b"}, cid)
     assert own["bad"] == 1 and own["problems"] == [f"{cid}: held by [('a', False), ('b', True)]"], own
+    returned = clients(cl["a"].port, client_id=back, clean=False, properties=props)  # (a still cut)
+    returned._reconnect_on_failure = False
+    assert returned.connack[1].session_present  # (a's session: a cannot ask etcd for b's)
     cl.heal()
+    cl.wait_stable()
+    expected = {cid: "b", back: "a"}
+    assert wait_for(lambda: cl.ownership(expected, ids)["bad"] == 0, 10, 0.25), cl.ownership(expected, ids)
+    assert not moved.disconnected_event.is_set() and not returned.disconnected_event.is_set()
 
 
 # --- workload and checker on real faults ----------------------------------------------------------
@@ -256,6 +271,26 @@ def test_kill9_and_restart_on_its_data_dir_loses_nothing_acknowledged(cluster):
     assert r.acknowledged > 100 and r.expected > 6 * 100  # (a real load, to every subscriber)
     assert r.sessions_lost == 0 and r.failovers == 0 and r.recovery is not None
     assert r.reconnects >= 4 and r.unavailable > 1.0  # b's four clients came back after b did
+
+
+def test_kill9_with_failover_the_restarted_node_takes_no_client_back(cluster):
+    # The clients of a node killed with kill -9 reconnect to the other nodes (clean start
+    # 0; session present 0: without replication their sessions are on the dead node's
+    # disk, so what was published for them before they subscribed again is lost). The
+    # node, restarted on its data dir, must not register them as its own again: that
+    # would close their connections (0x8E) and bring their old sessions back, with
+    # messages they had had (QoS 2 duplicates, out of order).
+    cl = cluster()
+
+    def kill_and_restart():
+        """kill -9 of node b under load, its clients failing over, b restarted on its data dir"""
+        cl["b"].kill()
+        time.sleep(1.0)
+        cl["b"].restart()
+
+    r = _run(cl, kill_and_restart, failover="any")
+    assert r.duplicates == r.out_of_order == r.unknown == r.owners_bad == r.retained_bad == 0, r.summary()
+    assert r.failovers >= 4 and r.sessions_lost == 4  # b's four clients, once each
 
 
 def test_without_replication_a_node_lost_for_good_loses_acknowledged_messages(cluster):

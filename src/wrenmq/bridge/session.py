@@ -24,6 +24,7 @@ PUBREL in `incoming_qos2`, so a resend is acknowledged but not published twice.
 """
 
 from ..mqtt import constants as C
+from ..mqtt.acks import puback, pubcomp, pubrec, pubrel
 from ..mqtt.codec import encode, encode_properties, encode_publish
 from ..mqtt.packets import Connect, Disconnect, Pubrel, Subscribe, SubscribeTopic
 from ..store.store import parse_properties_block
@@ -33,10 +34,6 @@ from ..store.store import parse_properties_block
 # comes back with the bridge's own mark is not brought in again.
 ORIGIN_PROPERTY = "wrenmq-bridge"
 SUBSCRIBE_PACKET_ID = 1
-_PUBACK_BYTES = (0x40, 2)
-_PUBREC_BYTES = (0x50, 2)
-_PUBCOMP_BYTES = (0x70, 2)
-_PUBREL_BYTES = (0x62, 2)
 # Message properties that belong to one hop (a subscription's id, an alias).
 _HOP = ("subscription_identifier", "topic_alias")
 # A message whose connection the remote closed this many times in a row, each time with it
@@ -157,7 +154,7 @@ class BridgeSession:
                                retain_handling=1 if v5 else 0) for flt, qos in subs]), self.version))
         for out_msg in self.inflight.values():
             if out_msg.released:
-                out.append(bytes((*_PUBREL_BYTES, out_msg.pid >> 8, out_msg.pid & 0xFF)))
+                out.append(pubrel(out_msg.pid))
             else:
                 p = out_msg.packet
                 out.append(bytes((p[0] | 0x08,)) + p[1:])  # DUP
@@ -265,7 +262,7 @@ class BridgeSession:
         out = self.pids.get(pkt.packet_id)
         if out is None:
             if pkt.TYPE == C.PUBREC:  # the remote waits for a release we no longer know of
-                return bytes((*_PUBREL_BYTES, pkt.packet_id >> 8, pkt.packet_id & 0xFF))
+                return pubrel(pkt.packet_id)
             return None
         self._strikes = 0
         kind = pkt.TYPE
@@ -306,18 +303,18 @@ class BridgeSession:
         published here (a QoS 2 id is then kept until PUBREL)."""
         pid = pkt.packet_id
         if pkt.qos == 1:
-            return bytes((*_PUBACK_BYTES, pid >> 8, pid & 0xFF))
+            return puback(pid)
         if pkt.qos == 2:
             if taken:
                 self.incoming_qos2.add(pid)
-            return bytes((*_PUBREC_BYTES, pid >> 8, pid & 0xFF))
+            return pubrec(pid)
         return None
 
     def release(self, pkt):
         """PUBREL from the remote: the PUBCOMP."""
         pid = pkt.packet_id
         self.incoming_qos2.discard(pid)
-        return bytes((*_PUBCOMP_BYTES, pid >> 8, pid & 0xFF))
+        return pubcomp(pid)
 
 
 _V311_REFUSALS = {1: "unacceptable protocol version", 2: "identifier rejected", 3: "server unavailable",

@@ -1,18 +1,22 @@
 """The application message as the broker routes it, and its outgoing encodings.
 
 A message is built once per accepted PUBLISH and shared by every subscriber.
-Its encodings are cached per variant, and when the packet a subscriber needs
-is byte-for-byte the one that arrived, the received bytes are sent as they are.
+Its encodings (the codec's: `publish_head`, `encode_publish`) are cached per variant
+while it is routed, and when the packet a subscriber needs is byte-for-byte the one
+that arrived, the received bytes are sent as they are.
 """
 
 from math import ceil
+from struct import Struct
 from sys import getsizeof
 
-from ..mqtt.codec import encode_properties, encode_varint
+from ..mqtt.codec import encode_properties, encode_publish, publish_head
+
+_packet_id = Struct("!H").pack
 
 # The objects a held message is made of besides its payload and topic (the Message, its
 # str and bytes headers, its properties dict, its timestamp), in bytes: counted with
-# gc and sys.getsizeof in a broker under `make soak` (docs/BENCHMARKS.md, stop 28).
+# gc and sys.getsizeof in a broker under `make soak` (docs/BENCHMARKS.md).
 MESSAGE_OVERHEAD = 400
 
 # Properties that travel with the message (topic_alias and subscription_identifier
@@ -23,7 +27,7 @@ _HOP_PROPERTIES = ("topic_alias", "subscription_identifier")
 class Message:
     __slots__ = (
         "topic", "payload", "qos", "retain", "properties", "expiry", "client_id", "origin",
-        "raw", "raw_v5", "timestamp", "offset", "_topic_b", "_props_v5", "_cache", "packet",
+        "raw", "raw_v5", "timestamp", "offset", "_topic_b", "_props_v5", "encodings", "packet",
         "held",
     )
 
@@ -49,11 +53,11 @@ class Message:
         self._topic_b = None
         self._props_v5 = None
         # Its encodings, shared by the subscribers one routing reaches (`parts`): a dict
-        # while the router routes it (None until the first is made), False otherwise. A
-        # message that waits in queues, or as a retained message, holds no copies of
-        # itself: the soak (docs/BENCHMARKS.md, stop 28) found them 60% of what held
-        # messages cost.
-        self._cache = False
+        # while the router routes it (None until the first is made; Router.route sets and
+        # clears it), False otherwise. A message that waits in queues, or as a retained
+        # message, holds no copies of itself: a soak found them 60% of what held messages
+        # cost (docs/BENCHMARKS.md).
+        self.encodings = False
         # While it is being routed: the PUBLISH it came from, whose bytes can be forwarded
         # as they are (cut from the received data only if a subscriber needs them).
         self.packet = None
@@ -99,28 +103,22 @@ class Message:
 
         For QoS > 0 the packet is head + packet id (2 bytes) + tail; the remaining
         length in head already counts the packet id. Cached while the router routes the
-        message (`_cache`), when reusable.
+        message (`encodings`), when reusable.
         """
-        cache = self._cache
+        cache = self.encodings
         if cache is not False and self.expiry is None:
             key = (v5, qos, retain, sub_ids)
             if cache is None:
-                cache = self._cache = {}
+                cache = self.encodings = {}
             else:
                 hit = cache.get(key)
                 if hit is not None:
                     return hit
         else:
             key = None
-        tb = self.topic_bytes
         props = self.props_v5(sub_ids, now) if v5 else b""
-        n = 2 + len(tb) + (2 if qos else 0) + len(props) + len(self.payload)
-        first = 0x30 | (qos << 1) | (1 if retain else 0)
-        tl = len(tb)
-        head = (bytes((first, n)) if n < 128 else bytes((first,)) + encode_varint(n)) + \
-            bytes((tl >> 8, tl & 0xFF)) + tb
         tail = props + self.payload if props else self.payload
-        result = (head, tail)
+        result = (publish_head(self.topic_bytes, qos, retain, False, (2 if qos else 0) + len(tail)), tail)
         if key is not None:
             cache[key] = result
         return result
@@ -143,21 +141,10 @@ class Message:
             if not qos:
                 return self.encode_qos0(v5, retain, sub_ids, now)
             head, tail = self.parts(v5, qos, retain, sub_ids, now)
-            return head + bytes((packet_id >> 8, packet_id & 0xFF)) + tail
-        tb = b"" if alias_only else self.topic_bytes
+            return head + _packet_id(packet_id) + tail
         props = self.props_v5(sub_ids, now, alias) if v5 else b""
-        n = 2 + len(tb) + (2 if qos else 0) + len(props) + len(self.payload)
-        first = 0x30 | (qos << 1) | (1 if retain else 0) | (8 if dup else 0)
-        tl = len(tb)
-        out = bytearray((first,))
-        out += encode_varint(n)
-        out += bytes((tl >> 8, tl & 0xFF))
-        out += tb
-        if qos:
-            out += bytes((packet_id >> 8, packet_id & 0xFF))
-        out += props
-        out += self.payload
-        return bytes(out)
+        return encode_publish(b"" if alias_only else self.topic_bytes, self.payload, qos, retain, dup,
+                              packet_id, props)
 
     def __repr__(self):
         return (f"Message(topic={self.topic!r}, payload={self.payload[:32]!r}, qos={self.qos}, "

@@ -16,6 +16,7 @@ import time
 from itertools import count
 
 from ..mqtt import constants as C
+from ..mqtt.acks import CONNACK_311_ACCEPTED, PINGRESP, puback, pubcomp, pubrec, pubrel
 from ..mqtt.codec import MQTTError, encode
 from ..mqtt.packets import Connack, Suback, Unsuback
 from .message import Message, message_properties
@@ -24,12 +25,6 @@ from .session import NEVER, QUEUE_ENTRY_COST, Outgoing, Session, Subscription
 from .topics import RetainedTrie, TopicError, TopicTrie, parse_shared, topic_matches, validate_topic_filter
 
 log = logging.getLogger("wrenmq.router")
-
-_PUBACK = C.PUBACK << 4
-_PUBREC = C.PUBREC << 4
-_PUBCOMP = C.PUBCOMP << 4
-_PINGRESP = b"\xd0\x00"
-_CONNACK_311 = (b"\x20\x02\x00\x00", b"\x20\x02\x01\x00")  # accepted; session present 0 / 1
 
 # Timer kinds.
 _EXPIRE_SESSION = 1
@@ -139,12 +134,6 @@ class SharedGroup:
                 fallback = sub
         self.next = (start + 1) % n
         return fallback
-
-
-def _encode_ack(first, pid, reason, v5):
-    if reason and v5:
-        return bytes((first, 3, pid >> 8, pid & 0xFF, reason))
-    return bytes((first, 2, pid >> 8, pid & 0xFF))
 
 
 class Router(RetainedSending):
@@ -375,7 +364,7 @@ class Router(RetainedSending):
             self.stats.clients_maximum = self.online
 
         if not v5:
-            connack = _CONNACK_311[present]
+            connack = CONNACK_311_ACCEPTED[present]
         elif props or auth_props:
             props.update(self._connack_properties())
             if auth_props:
@@ -465,7 +454,7 @@ class Router(RetainedSending):
         if out is None:
             return
         if out.released:
-            session.conn.send(bytes((0x62, 2, pid >> 8, pid & 0xFF)))
+            session.conn.send(pubrel(pid))
         else:
             self._write_publish(session, out.msg, out.qos, out.retain, out.sub_ids, pid, True)
 
@@ -671,7 +660,7 @@ class Router(RetainedSending):
         if qos == 2:
             if pid in session.incoming_qos2:
                 # A resend of a message we already hold: acknowledge again, deliver once.
-                session.conn.send(bytes((_PUBREC, 2, pid >> 8, pid & 0xFF)))
+                session.conn.send(pubrec(pid))
                 return
             restored = session.restored_qos2
             if restored and pid in restored:
@@ -679,7 +668,7 @@ class Router(RetainedSending):
                 # DUP flag says (clients do resend without it), this is the same message.
                 restored.discard(pid)
                 session.add_incoming_qos2(pid)
-                session.conn.send(bytes((_PUBREC, 2, pid >> 8, pid & 0xFF)))
+                session.conn.send(pubrec(pid))
                 return
         if qos:
             if len(session.incoming_qos2) >= session.receive_max_in:
@@ -693,7 +682,8 @@ class Router(RetainedSending):
                 # no refusal; the client sends it again after the connection closes.
                 stats.refused_disk_low += 1
                 if session.v5:
-                    session.conn.send(_encode_ack(_PUBACK if qos == 1 else _PUBREC, pid, C.QUOTA_EXCEEDED, True))
+                    session.conn.send(puback(pid, C.QUOTA_EXCEEDED, True) if qos == 1 else
+                                      pubrec(pid, C.QUOTA_EXCEEDED, True))
                 else:
                     session.conn.close(C.QUOTA_EXCEEDED)
                 return
@@ -732,22 +722,22 @@ class Router(RetainedSending):
                     reason = C.NO_MATCHING_SUBSCRIBERS
                 msg.packet = None
         if qos == 1:
-            session.conn.send(_encode_ack(_PUBACK, pid, reason, session.v5))
+            session.conn.send(puback(pid, reason, session.v5))
         elif qos == 2:
             if reason < 0x80:
                 session.add_incoming_qos2(pid)
                 if session.stored:
                     self.persist.qos2_in(session, pid, True)
-            session.conn.send(_encode_ack(_PUBREC, pid, reason, session.v5))
+            session.conn.send(pubrec(pid, reason, session.v5))
 
     def handle_pubrel(self, session, pkt):
         pid = pkt.packet_id
         if session.release_incoming_qos2(pid):
             if session.stored:
                 self.persist.qos2_in(session, pid, False)
-            session.conn.send(bytes((_PUBCOMP, 2, pid >> 8, pid & 0xFF)))
+            session.conn.send(pubcomp(pid))
         else:
-            session.conn.send(_encode_ack(_PUBCOMP, pid, C.PACKET_IDENTIFIER_NOT_FOUND, session.v5))
+            session.conn.send(pubcomp(pid, C.PACKET_IDENTIFIER_NOT_FOUND, session.v5))
 
     def handle_puback(self, session, pkt):
         out = session.inflight.get(pkt.packet_id)
@@ -764,7 +754,7 @@ class Router(RetainedSending):
         pid = pkt.packet_id
         out = session.inflight.get(pid)
         if out is None or out.qos != 2:
-            session.conn.send(_encode_ack(0x62, pid, C.PACKET_IDENTIFIER_NOT_FOUND, session.v5))
+            session.conn.send(pubrel(pid, C.PACKET_IDENTIFIER_NOT_FOUND, session.v5))
             return
         if pkt.reason_code >= 0x80:
             session.take_inflight(pid)
@@ -777,7 +767,7 @@ class Router(RetainedSending):
             out.released = True
             if session.stored and out.msg.offset >= 0:
                 self.persist.qos2_out(session, out, 1)
-        session.conn.send(bytes((0x62, 2, pid >> 8, pid & 0xFF)))
+        session.conn.send(pubrel(pid))
 
     def handle_pubcomp(self, session, pkt):
         out = session.inflight.get(pkt.packet_id)
@@ -791,7 +781,7 @@ class Router(RetainedSending):
                 self.drain(session)
 
     def handle_pingreq(self, session, pkt):
-        session.conn.send(_PINGRESP)
+        session.conn.send(PINGRESP)
 
     def handle_disconnect(self, session, pkt):
         conn = session.conn
@@ -1192,7 +1182,7 @@ class Router(RetainedSending):
         origin = msg.origin
         deliver = self._deliver
         logged = msg.offset >= 0
-        msg._cache = None  # its encodings are shared while this routing lasts (Message.parts)
+        msg.encodings = None  # its encodings are shared while this routing lasts (Message.parts)
         try:
             for session, qos, rap, ids, no_local in normal:
                 if no_local and session is origin:
@@ -1209,7 +1199,7 @@ class Router(RetainedSending):
                             msg.retain and sub.retain_as_published,
                             (sub.sub_id,) if sub.sub_id else (), group)
         finally:
-            msg._cache = False
+            msg.encodings = False
         return True
 
     def _deliver(self, session, msg, qos, retain, sub_ids, group=None):

@@ -11,6 +11,7 @@ bytes: a client that pipelines valid packets ahead of a bad one gets them handle
 
 from struct import Struct
 
+from . import acks
 from . import constants as C
 from .packets import (
     NO_PROPERTIES, PINGREQ, PINGRESP, Auth, Connack, Connect, Disconnect, Puback, Pubcomp,
@@ -743,22 +744,30 @@ def _fixed(first, body):
     return bytes((first,)) + encode_varint(n) + body
 
 
+def publish_head(topic, qos, retain, dup, rest):
+    """A PUBLISH up to its packet id: the fixed header and the topic name (`topic`, bytes;
+    b'' when a topic alias stands for it). `rest` is the length of what follows: the
+    packet id (QoS 1/2), the property block (5.0) and the payload. A broker sending one
+    message to many clients keeps the head of each variant and puts each client's
+    packet id between it and the rest (`encode_publish` is the whole packet)."""
+    tl = len(topic)
+    n = 2 + tl + rest
+    first = 0x30 | (qos << 1) | (1 if retain else 0) | (8 if dup else 0)
+    if n < 128:
+        return bytes((first, n, tl >> 8, tl & 0xFF)) + topic
+    return bytes((first,)) + encode_varint(n) + bytes((tl >> 8, tl & 0xFF)) + topic
+
+
 def encode_publish(topic, payload, qos=0, retain=False, dup=False, packet_id=None,
                    props_bytes=b""):
     """Encode a PUBLISH from its parts; `props_bytes` is the encoded property block
     (b'' for MQTT 3.1.1, at least b'\\x00' for 5.0)."""
     if isinstance(topic, str):
         topic = topic.encode("utf-8")
-    first = 0x30 | (qos << 1) | (1 if retain else 0) | (8 if dup else 0)
-    tl = len(topic)
     if qos:
-        head = bytes((tl >> 8, tl & 0xFF)) + topic + bytes((packet_id >> 8, packet_id & 0xFF))
-    else:
-        head = bytes((tl >> 8, tl & 0xFF)) + topic
-    n = len(head) + len(props_bytes) + len(payload)
-    if n < 128:
-        return bytes((first, n)) + head + props_bytes + payload
-    return bytes((first,)) + encode_varint(n) + head + props_bytes + payload
+        return publish_head(topic, qos, retain, dup, 2 + len(props_bytes) + len(payload)) + \
+            _pack_u16(packet_id) + props_bytes + payload
+    return publish_head(topic, 0, retain, dup, len(props_bytes) + len(payload)) + props_bytes + payload
 
 
 def _enc_connect(p, version):
@@ -804,15 +813,12 @@ def _enc_publish(p, version):
     return encode_publish(p.topic, p.payload, p.qos, p.retain, p.dup, p.packet_id, props)
 
 
-def _ack_encoder(first):
+def _ack_encoder(first, plain):
     def enc(p, version):
-        pid = p.packet_id
-        if version == C.MQTT5 and (p.reason_code or p.properties):
-            body = bytes((pid >> 8, pid & 0xFF, p.reason_code))
-            if p.properties:
-                body += encode_properties(p.properties)
-            return _fixed(first, body)
-        return bytes((first, 2, pid >> 8, pid & 0xFF))
+        if version == C.MQTT5 and p.properties:
+            pid = p.packet_id
+            return _fixed(first, bytes((pid >> 8, pid & 0xFF, p.reason_code)) + encode_properties(p.properties))
+        return plain(p.packet_id, p.reason_code, version == C.MQTT5)
     return enc
 
 
@@ -868,16 +874,16 @@ _ENCODERS = {
     C.CONNECT: _enc_connect,
     C.CONNACK: _enc_connack,
     C.PUBLISH: _enc_publish,
-    C.PUBACK: _ack_encoder(0x40),
-    C.PUBREC: _ack_encoder(0x50),
-    C.PUBREL: _ack_encoder(0x62),
-    C.PUBCOMP: _ack_encoder(0x70),
+    C.PUBACK: _ack_encoder(0x40, acks.puback),
+    C.PUBREC: _ack_encoder(0x50, acks.pubrec),
+    C.PUBREL: _ack_encoder(0x62, acks.pubrel),
+    C.PUBCOMP: _ack_encoder(0x70, acks.pubcomp),
     C.SUBSCRIBE: _enc_subscribe,
     C.SUBACK: _enc_suback,
     C.UNSUBSCRIBE: _enc_unsubscribe,
     C.UNSUBACK: _enc_unsuback,
-    C.PINGREQ: lambda p, v: b"\xc0\x00",
-    C.PINGRESP: lambda p, v: b"\xd0\x00",
+    C.PINGREQ: lambda p, v: acks.PINGREQ,
+    C.PINGRESP: lambda p, v: acks.PINGRESP,
     C.DISCONNECT: _reason_encoder(0xE0),
     C.AUTH: _reason_encoder(0xF0),
 }

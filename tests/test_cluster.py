@@ -1566,14 +1566,14 @@ def test_a_node_does_not_take_back_a_retained_message_it_saw_cleared(cluster, re
 
 
 def test_a_node_remembers_its_last_clears_only_and_forgets_the_oldest_on_disk_too(cluster):
-    """A node keeps the time of the last _CLEARS_KEPT retained clears (rows without a
+    """A node keeps the time of the last CLEARS_KEPT retained clears (rows without a
     payload in its state database), not one per topic ever cleared: the oldest go, from
     memory and from the database, and a restart keeps the newest. A client can clear
     any number of topics; what the node holds for it stays bounded."""
     import sqlite3
 
     from conftest import RawClient
-    from wrenmq.broker.router import _CLEARS_KEPT
+    from wrenmq.broker.retained import CLEARS_KEPT
     from wrenmq.mqtt.packets import Connect
 
     extra = 10
@@ -1582,7 +1582,7 @@ def test_a_node_remembers_its_last_clears_only_and_forgets_the_oldest_on_disk_to
     raw = RawClient(a.port)
     raw.send(Connect(client_id=uid("clears"), clean_start=True, keepalive=60))
     assert raw.recv().TYPE == 2  # CONNACK
-    n = _CLEARS_KEPT + extra
+    n = CLEARS_KEPT + extra
     chunk = []
     for i in range(n):
         chunk.append(encode(Publish(f"cp/{i}", b"", 0, True), C.MQTT311))
@@ -1603,7 +1603,7 @@ def test_a_node_remembers_its_last_clears_only_and_forgets_the_oldest_on_disk_to
 
     assert a.stop() == 0
     rows = clear_rows()
-    assert len(rows) == _CLEARS_KEPT
+    assert len(rows) == CLEARS_KEPT
     assert not rows & {f"cp/{i}" for i in range(extra)}  # the oldest, forgotten
     assert {f"cp/{extra}", f"cp/{n - 1}"} <= rows
     # Restarted, it remembers those (a newer clear of a remembered topic replaces its
@@ -1618,7 +1618,7 @@ def test_a_node_remembers_its_last_clears_only_and_forgets_the_oldest_on_disk_to
     c.loop_stop()
     assert a.stop() == 0
     rows = clear_rows()
-    assert len(rows) == _CLEARS_KEPT
+    assert len(rows) == CLEARS_KEPT
     assert "cp/new" in rows and f"cp/{n - 1}" in rows and f"cp/{extra}" not in rows
 
 

@@ -51,7 +51,7 @@ def test_subscription_memory_bounds_the_subscriptions_of_all_sessions(make_broke
     what a client could pile up (a new client id each time): past subscription_memory a
     SUBSCRIBE to a new filter is refused, whichever client sends it, and what an
     UNSUBSCRIBE or a session's end frees is taken again."""
-    from wrenmq.broker.router import SUBSCRIPTION_COST
+    from wrenmq.broker.subscriptions import SUBSCRIPTION_COST
 
     def flt(i):
         return f"long/{i:03d}/" + "x" * 1000
@@ -86,7 +86,7 @@ def test_will_memory_bounds_the_wills_held_for_their_delay(make_broker):
     pile wills up: past will_memory a will is published when its client goes, not after
     its delay. A client that comes back frees the room its will took."""
     from wrenmq.broker.message import MESSAGE_OVERHEAD
-    from wrenmq.broker.router import HELD_WILL_COST
+    from wrenmq.broker.wills import HELD_WILL_COST
 
     payload = b"w" * 2000
     one = len(payload) + 2 * len("wills/a") + MESSAGE_OVERHEAD + HELD_WILL_COST  # (the topics are as long)
@@ -124,7 +124,7 @@ def test_will_memory_counts_what_a_wills_properties_take(make_broker):
     max_packet_size): will_memory counts them as the objects they are, so 40 KB of user
     properties with a 1 KB payload do not pass as 2 KB. The figure is that of the will's
     message (Message.memory) and its timer (HELD_WILL_COST)."""
-    from wrenmq.broker.router import will_size
+    from wrenmq.broker.wills import will_size
 
     b = make_broker("[limits]\nwill_memory = 100000\n")
     watcher = raw_connect(b.port, "watcher", 5)
@@ -199,7 +199,8 @@ def test_subscription_and_will_counts_follow_every_way_a_session_changes(make_br
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from wrenmq.broker.router import subscription_size, will_size
+    from wrenmq.broker.subscriptions import subscription_size
+    from wrenmq.broker.wills import will_size
 
     b = make_broker()
     filters = ["f/a", "f/+/b", "$share/g/f/#", "$share/h/f/a", "long/" + "x" * 300]

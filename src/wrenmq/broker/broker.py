@@ -110,7 +110,7 @@ class Broker:
         # that fell due while the broker was down) wait until it has joined: a session whose
         # client came back on another node meanwhile ends then, without its will
         # (cluster/membership.py).
-        self.router.on_timer = None if clustered else self._on_timer
+        self.router.timers.on_change = None if clustered else self._on_timer
         if self.config.storage.mode == "disk":
             self._open_store()
         if clustered:
@@ -124,8 +124,8 @@ class Broker:
                 self._close_store_of_failed_start()
                 raise
             self.cluster = cluster
-            self.router.on_timer = self._on_timer
-            due = self.router.next_deadline()
+            self.router.timers.on_change = self._on_timer
+            due = self.router.timers.next_deadline()
             if due is not None:
                 self._on_timer(due)
         try:

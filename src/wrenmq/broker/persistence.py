@@ -6,7 +6,7 @@ QoS 2 exchange moves on; a message is accepted). Each becomes a store operation
 in the current epoch. Messages are written once, to the commit log; a stored
 session's backlog is its *cursor* (the lowest log offset it may still need)
 plus its filters, so after a crash, a long absence or a queue overflow the
-session re-reads its messages from the log (`Router.catch_up`).
+session re-reads its messages from the log (catchup.py).
 """
 
 import logging
@@ -18,6 +18,7 @@ from ..store import state as S
 from ..store.store import parse_properties_block, properties_block
 from .message import Message
 from .session import NEVER, Outgoing, Session, Subscription
+from .timers import TimerKind
 from .topics import parse_shared, topic_matches
 
 log = logging.getLogger("wrenmq.persistence")
@@ -99,7 +100,7 @@ class Persistence:
                 else:
                     router.retained.delete(msg.topic)
                 self.retained_changed(msg)
-            hit = router._match(msg.topic)
+            hit = router.matching(msg.topic)
             router.route(msg, ((), hit[1]) + hit[2:])  # the shared groups only
 
     # --- sessions ----------------------------------------------------------------
@@ -207,7 +208,7 @@ class Persistence:
             self.store.op(S.RETAINED_SET, (msg.topic, msg.qos, msg.payload, properties_block(msg),
                                            msg.client_id, msg.timestamp, expires), msg.qos > 0)
         elif self.router.cluster is not None:
-            # A clear is kept as a row without a payload: the router's retained_clears
+            # A clear is kept as a row without a payload: the router's retained clears
             # survive a restart (restore), so an older copy another node offers later is
             # still not taken back.
             self.store.op(S.RETAINED_SET, (msg.topic, 0, b"", b"", "", msg.timestamp, None), msg.qos > 0)
@@ -215,7 +216,7 @@ class Persistence:
             self.store.op(S.RETAINED_DELETE, (msg.topic,), msg.qos > 0)
 
     def retained_clear_forgotten(self, topic):
-        """The router no longer remembers this clear (it keeps the last _CLEARS_KEPT)."""
+        """The router no longer remembers this clear (it keeps the last CLEARS_KEPT, retained.py)."""
         self.store.op(S.RETAINED_DELETE, (topic,), False)
 
     # --- checkpoints -------------------------------------------------------------
@@ -315,7 +316,7 @@ class Persistence:
             sub = Subscription(inner, qos, bool(nl), bool(rap), rh, sub_id, group, s)
             sub.since = since
             s.subscriptions[flt] = sub
-            router._add_subscription(s, sub)
+            router.add_subscription(s, sub)
         for cid, pid in state["qos2_in"]:
             s = sessions.get(cid)
             if s is not None:
@@ -352,7 +353,7 @@ class Persistence:
             group = _RestoredGroup if shared else None
             out = Outgoing(msg, qos, False, (), group)
             if st < 0:  # a shared group's choice, not sent yet
-                router._queue_push(s, out)
+                router.queues.push(s, out)
                 continue
             out.packet_id = pid
             out.released = st == 1
@@ -373,17 +374,17 @@ class Persistence:
             expiry = now + (expires_at - now_wall) if expires_at is not None else None
             router.retained.set(topic, Message(topic, payload, qos, True, p, expiry, client_id, None,
                                                None, False, ts))
-        router.retained_clears.update((topic, ts) for ts, topic in sorted(clears))  # oldest first
+        router.retained_store.clears.update((topic, ts) for ts, topic in sorted(clears))  # oldest first
         router.sessions.update(sessions)
-        router._matches.clear()
+        router.forget_matches()
         self._route_unrouted(unrouted)
         self.restored_sessions = len(sessions)
         # Timers last: expiry and wills that fell due while the broker was down fire now.
         for s in sessions.values():
             if s.will_at is not None:
-                router._hold_will(s, s.will_at)
+                router.wills.hold(s, s.will_at)
             if s.expires_at is not None:
-                router._schedule(s.expires_at, 1, s)
+                router.timers.schedule(s.expires_at, TimerKind.EXPIRE_SESSION, s)
         if sessions or state["retained"]:
             log.info("restored %d session(s), %d subscription(s), %d retained message(s); log offsets %d-%d",
                      len(sessions), len(state["subscriptions"]), router.retained.count, start, end - 1)

@@ -61,7 +61,7 @@ class Outgoing:
         self.tracked = tracked and group is None
         # What it counts against its session's bounds (`max_queued_bytes`,
         # `max_inflight_bytes`): payload and topic, as if the message were its own. The
-        # broker-wide `queue_memory` counts a shared message once (Router._queue_push).
+        # broker-wide `queue_memory` counts a shared message once (Queues.push).
         self.size = len(msg.payload) + len(msg.topic) + 64
         # May have reached the client before a restart: send it with DUP set.
         self.maybe_sent = False
@@ -122,7 +122,7 @@ class Session:
         self.queue = ()  # Outgoing waiting for a window slot or for the client (a deque)
         self.resend = ()  # packet ids in `inflight` still to be resent after a reconnect
         self.queued_bytes = 0  # sizes of the Outgoing in `queue`
-        self.dequeued = 0  # entries taken from the front of `queue` so far (RetainedDue.until)
+        self.dequeued = 0  # entries taken from the front of `queue` so far (RetainedMatch.until)
         # The retained messages its SUBSCRIBEs matched, still to send while the client is
         # connected: full filter -> RetainedMatch, in the order of the SUBSCRIBEs (None
         # when there are none); and the deadline of the timer that sends the next loop

@@ -12,6 +12,7 @@ test_protocol_errors.py, test_limits.py and test_retained.py.
 
 import pytest
 
+from wrenmq.broker import states
 from wrenmq.broker.hooks import HookChain
 from wrenmq.broker.router import Router
 from wrenmq.broker.session import Session
@@ -201,6 +202,32 @@ def test_a_packet_only_a_server_sends_is_a_protocol_error(router):
     c = Client(router, "c", V5)
     c.send(Suback(1, [0]))
     assert c.conn.closed_with == C.PROTOCOL_ERROR and "c" not in router.sessions
+
+
+def test_the_connection_states_as_a_table():
+    """What a client may send in each state, and how the state moves (broker/states.py)."""
+    server_only = {C.CONNACK, C.SUBACK, C.UNSUBACK, C.PINGRESP}
+    for ptype in range(1, 16):
+        for state, allowed in ((states.NEW, ptype == C.CONNECT),
+                               (states.AUTH, ptype in (C.AUTH, C.DISCONNECT)),
+                               (states.OPEN, ptype not in server_only | {C.CONNECT}),
+                               (states.CLOSED, False)):
+            if allowed:
+                states.check(state, ptype)
+            else:
+                with pytest.raises(MQTTError) as info:
+                    states.check(state, ptype)
+                assert info.value.reason == C.PROTOCOL_ERROR
+    state = states.advance(states.NEW, states.CONNECT_RECEIVED)
+    state = states.advance(state, states.ACCEPTED)
+    assert state == states.OPEN
+    assert states.advance(states.advance(state, states.CLOSE), states.CLOSE) == states.CLOSED
+    for state, event in ((states.NEW, states.ACCEPTED), (states.OPEN, states.CONNECT_RECEIVED),
+                         (states.CLOSED, states.ACCEPTED)):
+        with pytest.raises(RuntimeError):
+            states.advance(state, event)
+    with pytest.raises(ValueError):  # an open connection's table needs a handler for each
+        states.dispatch_table({C.PUBLISH: print})
 
 
 # --- subscribe, unsubscribe -----------------------------------------------------------

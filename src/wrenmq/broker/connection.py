@@ -20,12 +20,11 @@ from time import monotonic
 from ..mqtt import constants as C
 from ..mqtt.codec import ConnectRefused, Decoder, MQTTError, PacketTooLarge, encode
 from ..mqtt.packets import Auth, Connack, Disconnect
+from . import states
 from .hooks import ClientInfo
+from .states import AUTH, CLOSED, NEW, OPEN
 
 log = logging.getLogger("wrenmq.connection")
-
-# Connection states.
-_NEW, _AUTH, _OPEN, _CLOSED = range(4)
 
 _TLS_HANDSHAKE = 0x16  # first byte of a TLS record carrying a handshake (ClientHello)
 _HTTP_METHODS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"OPTI")
@@ -70,7 +69,7 @@ class Connection(asyncio.Protocol):
         self._last_rx = 0.0
         self._pending = None  # data that arrived while CONNECT was being authenticated
         self.clean_disconnect = False
-        self.state = _NEW
+        self.state = NEW  # states.py: what the client may send, how it moves on
         self._auth_method = None
         self._connect = None
         self._reason = None
@@ -149,7 +148,7 @@ class Connection(asyncio.Protocol):
             self._rx_turn = 0
             self._pause(_P_TURN)
             self.broker.yield_turn(self)
-        if self.state != _OPEN:
+        if self.state != OPEN:
             self._before_open(data)
             return
         if self._bucket is not None:
@@ -304,7 +303,7 @@ class Connection(asyncio.Protocol):
         """The connection is over for the router: its session goes offline (once). The
         reason logged is the DISCONNECT's, the client's, or `otherwise`."""
         self.closing = True
-        self.state = _CLOSED
+        self.state = states.advance(self.state, states.CLOSE)
         self._unwatch()
         session = self.session
         if session is not None:
@@ -389,7 +388,7 @@ class Connection(asyncio.Protocol):
             return
         if reason is not None:
             self._reason = reason
-            if self.version == C.MQTT5 and self.state in (_OPEN, _CLOSED) or \
+            if self.version == C.MQTT5 and self.state in (OPEN, CLOSED) or \
                     (self.version == C.MQTT5 and reason == C.SESSION_TAKEN_OVER):
                 self.send(encode(Disconnect(reason), C.MQTT5))
         if self.broker.holding() and self.transport is not None:
@@ -473,7 +472,7 @@ class Connection(asyncio.Protocol):
         else:
             log.info("protocol error from %s: %s", who, err)
         if isinstance(err, ConnectRefused):
-            if self.state != _OPEN:
+            if self.state != OPEN:
                 self.refuse(err.version, err.reason)
                 return
             self.close(C.PROTOCOL_ERROR)  # a second CONNECT is a protocol error, whatever is in it
@@ -485,7 +484,7 @@ class Connection(asyncio.Protocol):
     def _before_open(self, data):
         if self._error is not None:
             return  # after a bad packet: what it pipelined behind the CONNECT is all it gets
-        if self.state == _AUTH:
+        if self.state == AUTH:
             if self._auth_method is not None:
                 self._auth_exchange(data)
             else:
@@ -509,7 +508,9 @@ class Connection(asyncio.Protocol):
                 self._foreign(data)
             return
         first = packets[0]
-        if first.TYPE != C.CONNECT:
+        try:
+            states.check(NEW, first.TYPE)
+        except MQTTError:
             if sniff and self._foreign(data):
                 return
             log.info("closing %s: first packet is %s, not CONNECT", self.address,
@@ -519,7 +520,7 @@ class Connection(asyncio.Protocol):
         self.version = first.version
         rest = packets[1:]
         self._connect = first
-        self.state = _AUTH
+        self.state = states.advance(NEW, states.CONNECT_RECEIVED)
         if rest:
             # Already decoded: re-encode is not possible cheaply, so keep the packets.
             self._pending = rest
@@ -603,10 +604,10 @@ class Connection(asyncio.Protocol):
             props["authentication_data"] = out
         if reason == C.CONTINUE_AUTHENTICATION:
             self.send(encode(Auth(C.CONTINUE_AUTHENTICATION, props), C.MQTT5))
-            if self.state == _AUTH:
+            if self.state == AUTH:
                 self._unpause(_P_AUTH)  # the client's next AUTH must get through
             return
-        if self.state == _OPEN:  # re-authentication of an open connection
+        if self.state == OPEN:  # re-authentication of an open connection
             if reason == 0:
                 self.send(encode(Auth(0, props), C.MQTT5))
             else:
@@ -618,14 +619,14 @@ class Connection(asyncio.Protocol):
         """Bytes during an enhanced-auth exchange before CONNACK: only AUTH may come."""
         try:
             for pkt in self.decoder.feed(data):
-                if pkt.TYPE == C.AUTH and pkt.reason_code == C.CONTINUE_AUTHENTICATION:
-                    self._pause(_P_AUTH)
-                    self._on_auth_packet(pkt)
-                elif pkt.TYPE == C.DISCONNECT:
+                states.check(AUTH, pkt.TYPE)
+                if pkt.TYPE == C.DISCONNECT:
                     self.close()
                     return
-                else:
-                    raise MQTTError(C.PROTOCOL_ERROR, f"{C.PACKET_NAMES[pkt.TYPE]} during authentication")
+                if pkt.reason_code != C.CONTINUE_AUTHENTICATION:
+                    raise MQTTError(C.PROTOCOL_ERROR, "AUTH during authentication without continue (0x18)")
+                self._pause(_P_AUTH)
+                self._on_auth_packet(pkt)
         except MQTTError as e:
             self.refuse(C.MQTT5, e.reason)
 
@@ -676,7 +677,7 @@ class Connection(asyncio.Protocol):
         if session is None:
             return
         self.session = session
-        self.state = _OPEN
+        self.state = states.advance(self.state, states.ACCEPTED)
         if self._auth_method is None:
             self._connect = None  # kept only for re-authentication
         self.decoder.version = pkt.version
@@ -729,10 +730,10 @@ class Connection(asyncio.Protocol):
         if self.closing:
             return
         state = self.state
-        if state == _NEW:
+        if state == NEW:
             log.info("closing %s: no CONNECT within the connect timeout", self.address)
             self.close()
-        elif state == _AUTH:
+        elif state == AUTH:
             log.info("closing %s: authentication not finished within the connect timeout", self.address)
             self.refuse(self.version, C.NOT_AUTHORIZED)
         elif self.keepalive:

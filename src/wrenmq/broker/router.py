@@ -23,6 +23,7 @@ from .queues import Queues
 from .retained import RetainedDelivery, RetainedStore
 from .session import NEVER, Session, Subscription
 from .shared import take_unacknowledged
+from .states import dispatch_table
 from .stats import Stats
 from .subscriptions import Subscriptions
 from .timers import TimerKind, Timers
@@ -74,19 +75,19 @@ class Router:
         self.drain = self.delivery.drain
         self.rx_time = time.time()  # wall clock of the packets being handled (arrived())
         self.rx_us = int(self.rx_time * 1_000_000)
-        h = [None] * 16
-        h[C.PUBLISH] = self.handle_publish
-        h[C.PUBACK] = self.handle_puback
-        h[C.PUBREC] = self.handle_pubrec
-        h[C.PUBREL] = self.handle_pubrel
-        h[C.PUBCOMP] = self.handle_pubcomp
-        h[C.SUBSCRIBE] = self.handle_subscribe
-        h[C.UNSUBSCRIBE] = self.handle_unsubscribe
-        h[C.PINGREQ] = self.handle_pingreq
-        h[C.DISCONNECT] = self.handle_disconnect
-        for t in (C.CONNECT, C.CONNACK, C.SUBACK, C.UNSUBACK, C.PINGRESP):
-            h[t] = self._unexpected
-        self.handlers = h
+        # What an open connection calls per packet type (a list; None: AUTH, which the
+        # connection handles; a protocol error for what a client may not send: states.py).
+        self.handlers = dispatch_table({
+            C.PUBLISH: self.handle_publish,
+            C.PUBACK: self.handle_puback,
+            C.PUBREC: self.handle_pubrec,
+            C.PUBREL: self.handle_pubrel,
+            C.PUBCOMP: self.handle_pubcomp,
+            C.SUBSCRIBE: self.handle_subscribe,
+            C.UNSUBSCRIBE: self.handle_unsubscribe,
+            C.PINGREQ: self.handle_pingreq,
+            C.DISCONNECT: self.handle_disconnect,
+        })
 
     def arrived(self):
         """Packets of one read are about to be handled: read the wall clock once for them.
@@ -299,9 +300,6 @@ class Router:
                                   out.group)
 
     # --- inbound packets ---------------------------------------------------
-
-    def _unexpected(self, session, pkt):
-        raise MQTTError(C.PROTOCOL_ERROR, f"unexpected {C.PACKET_NAMES[pkt.TYPE]} from a client")
 
     def _check_topic_name(self, topic):
         if not topic:

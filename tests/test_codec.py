@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from packet_table import MALFORMED, MQISDP, MQTT_V4, MQTT_V5, h
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import ConnectRefused, Decoder, MQTTError, decode, encode
 from wrenmq.mqtt.packets import (
@@ -17,18 +18,10 @@ from wrenmq.mqtt.packets import (
 )
 
 
-def h(text):
-    return bytes.fromhex(text)
-
-
 def case(id, version, wire, packet, encodes=True):
     """One row: `encodes=False` marks a decode-only row (the encoder picks another form)."""
     return pytest.param(version, wire, packet, encodes, id=id)
 
-
-MQTT_V4 = "00 04 4d 51 54 54 04"  # "MQTT", level 4
-MQTT_V5 = "00 04 4d 51 54 54 05"  # "MQTT", level 5
-MQISDP = "00 06 4d 51 49 73 64 70 03"  # "MQIsdp", level 3
 
 CASES = [
     # ---------------------------------------------------------------- CONNECT
@@ -297,164 +290,8 @@ def test_user_property_order_survives_decoding():
 
 # --------------------------------------------------------------------------- negative cases
 
-def bad(id, version, wire, reason, refused_version=None):
-    """`refused_version`: the error must be a ConnectRefused answering in that version."""
-    return pytest.param(version, wire, reason, refused_version, id=id)
-
-
-NEGATIVE = [
-    # reserved fixed-header flags
-    bad("flags-connect", 4, h("11 0c" + MQTT_V4 + "02 003c 0000"), 0x81),
-    bad("flags-connack", 4, h("21 02 00 00"), 0x81),
-    bad("flags-puback", 4, h("41 02 0001"), 0x81),
-    bad("flags-pubrec", 4, h("52 02 0001"), 0x81),
-    bad("flags-pubrel-must-be-2", 4, h("60 02 0001"), 0x81),
-    bad("flags-pubrel-v5", 5, h("63 02 0001"), 0x81),
-    bad("flags-pubcomp", 4, h("78 02 0001"), 0x81),
-    bad("flags-subscribe-must-be-2", 4, h("80 06 0001 0001 74 00"), 0x81),
-    bad("flags-subscribe-v5", 5, h("8a 07 0001 00 0001 74 00"), 0x81),
-    bad("flags-suback", 4, h("92 03 0001 00"), 0x81),
-    bad("flags-unsubscribe-must-be-2", 4, h("a0 05 0001 0001 74"), 0x81),
-    bad("flags-unsuback", 4, h("b1 02 0001"), 0x81),
-    bad("flags-pingreq", 4, h("c1 00"), 0x81),
-    bad("flags-pingresp", 5, h("d2 00"), 0x81),
-    bad("flags-disconnect", 4, h("e4 00"), 0x81),
-    bad("flags-disconnect-v5", 5, h("e8 00"), 0x81),
-    bad("flags-auth", 5, h("f1 00"), 0x81),
-    # PUBLISH header
-    bad("publish-qos3", 4, h("36 05 0001 74 0001"), 0x81),
-    bad("publish-qos3-v5", 5, h("37 06 0001 74 0001 00"), 0x81),
-    bad("publish-dup-on-qos0", 4, h("38 03 0001 74"), 0x81),
-    # remaining length
-    bad("remaining-length-5-bytes", 4, h("30 80 80 80 80 01"), 0x81),
-    bad("remaining-length-not-minimal-pingreq", 4, h("c0 80 00"), 0x81),
-    bad("remaining-length-not-minimal-publish", 4, h("30 83 80 00 0001 74"), 0x81),
-    bad("reserved-packet-type-0", 4, h("00 00"), 0x81),
-    bad("reserved-packet-type-0-v5", 5, h("00 02 0001"), 0x81),
-    # packet identifier 0
-    bad("packet-id-0-publish-qos1", 4, h("32 05 0001 74 0000"), 0x81),
-    bad("packet-id-0-publish-qos2-v5", 5, h("34 06 0001 74 0000 00"), 0x81),
-    bad("packet-id-0-puback", 4, h("40 02 0000"), 0x81),
-    bad("packet-id-0-pubrec", 5, h("50 02 0000"), 0x81),
-    bad("packet-id-0-pubrel", 4, h("62 02 0000"), 0x81),
-    bad("packet-id-0-pubcomp", 5, h("70 02 0000"), 0x81),
-    bad("packet-id-0-subscribe", 4, h("82 06 0000 0001 74 00"), 0x81),
-    bad("packet-id-0-unsubscribe", 5, h("a2 06 0000 00 0001 74"), 0x81),
-    bad("packet-id-0-suback", 4, h("90 03 0000 00"), 0x81),
-    bad("packet-id-0-suback-v5", 5, h("90 04 0000 00 00"), 0x81),
-    bad("packet-id-0-unsuback", 4, h("b0 02 0000"), 0x81),
-    bad("packet-id-0-unsuback-v5", 5, h("b0 04 0000 00 00"), 0x81),
-    # UTF-8 strings
-    bad("utf8-invalid-publish-topic", 4, h("30 04 0002 c328"), 0x81),
-    bad("utf8-overlong-publish-topic", 4, h("30 04 0002 c0af"), 0x81),
-    bad("utf8-nul-in-publish-topic", 4, h("30 05 0003 61 00 62"), 0x81),
-    bad("utf8-surrogate-in-publish-topic", 4, h("30 05 0003 eda080"), 0x81),
-    bad("utf8-surrogate-in-topic-v5", 5, h("30 06 0003 eda080 00"), 0x81),
-    bad("utf8-invalid-subscribe-filter", 4, h("82 06 0001 0001 ff 00"), 0x81),
-    bad("utf8-nul-in-subscribe-filter", 5, h("82 07 0001 00 0001 00 00"), 0x81),
-    bad("utf8-surrogate-in-unsubscribe-filter", 4, h("a2 07 0001 0003 edb080"), 0x81),
-    bad("utf8-surrogate-in-content-type", 5, h("30 0a 0001 74 06 03 0003 eda080"), 0x81),
-    bad("utf8-nul-in-user-property", 5, h("30 0b 0001 74 07 26 0001 00 0001 61"), 0x81),
-    bad("utf8-invalid-client-id", 4, h("10 0d" + MQTT_V4 + "02 003c 0001 ff"), 0x81, 4),
-    bad("utf8-surrogate-in-will-topic", 4,
-        h("10 14" + MQTT_V4 + "06 003c 0001 61 0003 eda080 0000"), 0x81, 4),
-    bad("utf8-nul-in-username", 4, h("10 10" + MQTT_V4 + "82 003c 0000 0002 6100"), 0x81, 4),
-    # properties
-    bad("property-unknown-04", 5, h("30 07 0001 74 03 04 0000"), 0x81),
-    bad("property-unknown-7f", 5, h("30 06 0001 74 02 7f 00"), 0x81),
-    bad("property-session-expiry-in-publish", 5, h("30 09 0001 74 05 11 00000001"), 0x81),
-    bad("property-topic-alias-in-puback", 5, h("40 07 0001 00 03 23 0001"), 0x81),
-    bad("property-will-delay-in-connect", 5,
-        h("10 12" + MQTT_V5 + "02 003c 05 18 00000001 0000"), 0x81, 5),
-    bad("property-session-expiry-in-will", 5,
-        h("10 18" + MQTT_V5 + "06 003c 00 0000 05 11 00000001 0001 74 0000"), 0x81, 5),
-    bad("property-subscription-id-in-unsubscribe", 5, h("a2 08 0001 02 0b 01 0001 74"), 0x81),
-    bad("property-duplicate-topic-alias", 5, h("30 0a 0001 74 06 23 0001 23 0002"), 0x82),
-    bad("property-duplicate-subscription-id-in-subscribe", 5,
-        h("82 0b 0001 04 0b 01 0b 02 0001 74 00"), 0x82),
-    bad("property-duplicate-reason-string", 5, h("e0 0a 80 08 1f 0001 61 1f 0001 62"), 0x82),
-    bad("property-duplicate-session-expiry-in-connect", 5,
-        h("10 17" + MQTT_V5 + "02 003c 0a 11 00000001 11 00000002 0000"), 0x82, 5),
-    bad("property-receive-maximum-0", 5, h("10 10" + MQTT_V5 + "02 003c 03 21 0000 0000"),
-        0x82, 5),
-    bad("property-maximum-packet-size-0", 5,
-        h("10 12" + MQTT_V5 + "02 003c 05 27 00000000 0000"), 0x82, 5),
-    bad("property-subscription-id-0", 5, h("82 09 0001 02 0b 00 0001 74 00"), 0x82),
-    bad("property-maximum-qos-2", 5, h("20 05 00 00 02 24 02"), 0x82),
-    bad("property-request-problem-information-2", 5,
-        h("10 0f" + MQTT_V5 + "02 003c 02 17 02 0000"), 0x82, 5),
-    bad("property-auth-data-without-method", 5,
-        h("10 11" + MQTT_V5 + "02 003c 04 16 0001 01 0000"), 0x82, 5),
-    bad("property-varint-not-minimal", 5, h("30 07 0001 74 03 0b 8000"), 0x81),
-    bad("property-length-past-packet", 5, h("30 06 0001 74 09 01 01"), 0x81),
-    bad("property-value-truncated", 5, h("30 07 0001 74 03 02 0000"), 0x81),
-    # CONNECT
-    bad("connect-reserved-flag", 4, h("10 0c" + MQTT_V4 + "03 003c 0000"), 0x81, 4),
-    bad("connect-reserved-flag-v5", 5, h("10 0d" + MQTT_V5 + "01 003c 00 0000"), 0x81, 5),
-    bad("connect-will-qos-3", 4, h("10 12" + MQTT_V4 + "1e 003c 0001 61 0001 74 0000"), 0x81, 4),
-    bad("connect-will-qos-without-will-flag", 4, h("10 0c" + MQTT_V4 + "0a 003c 0000"), 0x81, 4),
-    bad("connect-will-retain-without-will-flag", 5,
-        h("10 0d" + MQTT_V5 + "22 003c 00 0000"), 0x81, 5),
-    bad("connect-v311-password-without-username", 4,
-        h("10 0e" + MQTT_V4 + "42 003c 0000 0000"), 0x81, 4),
-    bad("connect-trailing-bytes", 4, h("10 0d" + MQTT_V4 + "02 003c 0000 ff"), 0x81, 4),
-    bad("connect-missing-will-payload", 4, h("10 0f" + MQTT_V4 + "06 003c 0000 0001 74"), 0x81, 4),
-    bad("connect-protocol-level-6", 4, h("10 0c 0004 4d515454 06 02 003c 0000"), 0x84, 4),
-    bad("connect-protocol-level-6-decoder-v5", 5, h("10 0c 0004 4d515454 06 02 003c 0000"),
-        0x84, 4),
-    bad("connect-mqtt-name-level-3", 4, h("10 0c 0004 4d515454 03 02 003c 0000"), 0x84, 4),
-    bad("connect-mqisdp-name-level-4", 4, h("10 0e 0006 4d5149736470 04 02 003c 0000"),
-        0x84, 4),
-    # trailing bytes inside the remaining length
-    bad("trailing-connack-v311", 4, h("20 03 00 00 00"), 0x81),
-    bad("trailing-puback-v311", 4, h("40 03 0001 00"), 0x81),
-    bad("trailing-pubrel-v311", 4, h("62 04 0001 0000"), 0x81),
-    bad("trailing-puback-v5-after-properties", 5, h("40 05 0001 00 00 ff"), 0x81),
-    bad("trailing-unsuback-v311", 4, h("b0 03 0001 00"), 0x81),
-    bad("trailing-pingreq", 4, h("c0 01 00"), 0x81),
-    bad("trailing-pingresp-v5", 5, h("d0 01 00"), 0x81),
-    bad("trailing-disconnect-v311", 4, h("e0 01 00"), 0x81),
-    bad("trailing-disconnect-v5-after-properties", 5, h("e0 03 00 00 ff"), 0x81),
-    bad("trailing-auth-after-properties", 5, h("f0 03 18 00 ff"), 0x81),
-    # truncated structures inside a complete packet
-    bad("publish-topic-past-packet", 4, h("30 03 0005 74"), 0x81),
-    bad("publish-missing-packet-id", 4, h("32 04 0001 74 00"), 0x81),
-    bad("publish-v5-missing-property-length", 5, h("30 03 0001 74"), 0x81),
-    bad("connack-too-short", 4, h("20 01 00"), 0x81),
-    bad("puback-too-short", 4, h("40 01 00"), 0x81),
-    bad("subscribe-missing-options", 4, h("82 05 0001 0001 74"), 0x81),
-    bad("unsubscribe-string-past-packet", 4, h("a2 05 0001 0005 74"), 0x81),
-    # SUBSCRIBE / UNSUBSCRIBE
-    bad("subscribe-no-filters", 4, h("82 02 0001"), 0x82),
-    bad("subscribe-no-filters-v5", 5, h("82 03 0001 00"), 0x82),
-    bad("unsubscribe-no-filters", 4, h("a2 02 0001"), 0x82),
-    bad("unsubscribe-no-filters-v5", 5, h("a2 03 0001 00"), 0x82),
-    bad("subscribe-v311-option-bit-2", 4, h("82 06 0001 0001 74 04"), 0x81),
-    bad("subscribe-v311-option-bit-7", 4, h("82 06 0001 0001 74 80"), 0x81),
-    bad("subscribe-qos-3", 4, h("82 06 0001 0001 74 03"), 0x81),
-    bad("subscribe-qos-3-v5", 5, h("82 07 0001 00 0001 74 03"), 0x81),
-    bad("subscribe-v5-option-bit-6", 5, h("82 07 0001 00 0001 74 40"), 0x81),
-    bad("subscribe-v5-option-bit-7", 5, h("82 07 0001 00 0001 74 80"), 0x81),
-    bad("subscribe-v5-retain-handling-3", 5, h("82 07 0001 00 0001 74 30"), 0x81),
-    # reason codes not allowed in that packet
-    bad("reason-connack-v311-6", 4, h("20 02 00 06"), 0x81),
-    bad("reason-connack-v5-01", 5, h("20 03 00 01 00"), 0x81),
-    bad("reason-connack-v5-8b", 5, h("20 03 00 8b 00"), 0x81),
-    bad("reason-connack-reserved-ack-flags", 4, h("20 02 02 00"), 0x81),
-    bad("reason-puback-92", 5, h("40 03 0001 92"), 0x81),
-    bad("reason-pubrec-01", 5, h("50 03 0001 01"), 0x81),
-    bad("reason-pubrel-10", 5, h("62 03 0001 10"), 0x81),
-    bad("reason-pubcomp-80", 5, h("70 03 0001 80"), 0x81),
-    bad("reason-suback-v311-03", 4, h("90 03 0001 03"), 0x81),
-    bad("reason-suback-v311-87", 4, h("90 03 0001 87"), 0x81),
-    bad("reason-suback-v5-11", 5, h("90 04 0001 00 11"), 0x81),
-    bad("reason-unsuback-v5-01", 5, h("b0 04 0001 00 01"), 0x81),
-    bad("reason-disconnect-v5-01", 5, h("e0 01 01"), 0x81),
-    bad("reason-disconnect-v5-88", 5, h("e0 01 88"), 0x81),
-    bad("reason-auth-01", 5, h("f0 01 01"), 0x81),
-    bad("reason-auth-87", 5, h("f0 01 87"), 0x81),
-    bad("auth-in-v311", 4, h("f0 00"), 0x82),
-]
+# The malformed packets are one table with the broker's protocol-error tests (packet_table.py).
+NEGATIVE = [pytest.param(m.version, m.wire, m.reason, m.refused_version, id=m.id) for m in MALFORMED]
 
 
 @pytest.mark.parametrize("version, wire, reason, refused_version", NEGATIVE)

@@ -33,7 +33,7 @@ import sys
 
 from wrenmq.broker import Broker
 from wrenmq.broker.hooks import Hook
-from wrenmq.broker.topics import parse_shared
+from wrenmq.mqtt.topics import parse_shared
 from wrenmq.config import load
 
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from log_helpers import T0, Built, batch_crc_algo, encode, make_records
-from wrenmq.broker.topics import topic_matches
+from wrenmq.mqtt.topics import topic_matches
 from wrenmq.store.arrow import SCHEMA, batch_to_arrow, read_arrow, records_to_arrow
 from wrenmq.store.format import HEADER, BadRecord, Batch, CorruptBatch, Record, read_prefix
 from wrenmq.store.log import CommitLog

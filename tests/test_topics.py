@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from wrenmq.broker.topics import (
-    RetainedTrie, TopicError, TopicTrie, parse_shared, topic_matches, validate_topic_filter,
-    validate_topic_name,
+from wrenmq.broker.topics import RetainedTrie, TopicTrie
+from wrenmq.mqtt.topics import (
+    TopicError, parse_shared, topic_matches, validate_topic_filter, validate_topic_name,
 )
 
 # --------------------------------------------------------------------------- validation

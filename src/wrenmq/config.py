@@ -709,7 +709,7 @@ def _check_address(fail, key, address):
 
 def _validate_bridges(cfg):
     """[[bridge]]: each key, and what the bridge needs of the rest of the file."""
-    from .broker.topics import TopicError, validate_topic_filter
+    from .mqtt.topics import TopicError, validate_topic_filter
     src = cfg.source
     names = set()
     for i, b in enumerate(cfg.bridge):
@@ -824,7 +824,7 @@ def _validate_extensions(cfg):
     if jwt.jwks_url:
         _check_url(src, "auth.jwt.jwks_url", jwt.jwks_url)
     names = set()
-    from .broker.topics import TopicError, validate_topic_filter
+    from .mqtt.topics import TopicError, validate_topic_filter
     for i, w in enumerate(cfg.webhook):
         where = f"webhook[{i}]"
         if not w.url:
@@ -873,7 +873,7 @@ def validate(cfg):
     _validate_cluster(src, cfg.cluster)
     _validate_bridges(cfg)
     _validate_extensions(cfg)
-    from .broker.topics import TopicError, validate_topic_filter
+    from .mqtt.topics import TopicError, validate_topic_filter
     for f in cfg.log.topics:
         try:
             validate_topic_filter(f)

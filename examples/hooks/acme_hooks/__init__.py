@@ -23,7 +23,7 @@ import json
 
 from wrenmq.broker.hooks import Hook
 from wrenmq.broker.message import Message
-from wrenmq.broker.topics import topic_matches
+from wrenmq.mqtt.topics import topic_matches
 from wrenmq.mqtt import constants as C
 
 

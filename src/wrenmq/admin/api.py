@@ -23,7 +23,7 @@ import time
 
 from .. import __version__
 from ..broker.bans import KINDS, BanError
-from ..broker.topics import TopicError, validate_topic_filter
+from ..mqtt.topics import TopicError, validate_topic_filter
 from ..mqtt import constants as C
 from .http import HttpError, Response, json_response
 from .peers import Peers

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from ..broker.topics import topic_matches
+from ..mqtt.topics import topic_matches
 from ..mqtt import constants as C
 from .client import ClientError, MqttClient
 

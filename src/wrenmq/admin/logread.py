@@ -112,7 +112,7 @@ def _int(query, name, default=None, lo=0):
 
 
 def _topics(query):
-    from ..broker.topics import TopicError, validate_topic_filter
+    from ..mqtt.topics import TopicError, validate_topic_filter
 
     text = (query.get("topics") or "").strip()
     if not text:

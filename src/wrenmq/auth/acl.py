@@ -38,7 +38,7 @@ stripped before the check.
 
 import logging
 
-from ..broker.topics import TopicError, parse_shared, topic_matches, validate_topic_filter
+from ..mqtt.topics import TopicError, parse_shared, topic_matches, validate_topic_filter
 
 log = logging.getLogger("wrenmq.auth")
 

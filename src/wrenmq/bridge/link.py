@@ -23,7 +23,7 @@ import time
 from time import monotonic
 
 from ..broker.hooks import ClientInfo
-from ..broker.topics import TopicError, validate_topic_name
+from ..mqtt.topics import TopicError, validate_topic_name
 from ..config import ConfigError
 from ..mqtt import constants as C
 from ..mqtt.codec import Decoder, MQTTError

@@ -6,7 +6,7 @@ every T the pattern matches (an empty pattern: the prefixes are the whole topics
 first entry that matches a topic decides, as in Mosquitto.
 """
 
-from ..broker.topics import topic_matches
+from ..mqtt.topics import topic_matches
 
 _CACHE_TOPICS = 10_000  # topics whose mapping is remembered (then forgotten all at once)
 

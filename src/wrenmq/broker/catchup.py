@@ -11,7 +11,7 @@ what they want, until it reaches the log's end and live routing takes over again
 from .message import Message
 from .session import Outgoing
 from .timers import TimerKind
-from .topics import topic_matches
+from ..mqtt.topics import topic_matches
 
 
 def catch_up(router, session, max_records=2000):

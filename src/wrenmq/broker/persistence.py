@@ -14,12 +14,12 @@ import time
 
 from ..mqtt import constants as C
 from ..mqtt.codec import MQTTError, decode, encode_properties, encode_publish
+from ..mqtt.topics import parse_shared, topic_matches
 from ..store import state as S
 from ..store.store import parse_properties_block, properties_block
 from .message import Message
 from .session import NEVER, Outgoing, Session, Subscription
 from .timers import TimerKind
-from .topics import parse_shared, topic_matches
 
 log = logging.getLogger("wrenmq.persistence")
 

@@ -15,6 +15,7 @@ from ..mqtt import constants as C
 from ..mqtt.acks import PINGRESP, puback, pubcomp, pubrec, pubrel
 from ..mqtt.codec import ConnectRefused, MQTTError, encode
 from ..mqtt.packets import Suback, Unsuback
+from ..mqtt.topics import topic_matches
 from .catchup import catch_up
 from .connect import ConnectTerms
 from .delivery import Delivery
@@ -27,7 +28,7 @@ from .states import dispatch_table
 from .stats import Stats
 from .subscriptions import Subscriptions
 from .timers import TimerKind, Timers
-from .topics import RetainedTrie, topic_matches
+from .topics import RetainedTrie
 from .wills import Wills
 
 log = logging.getLogger("wrenmq.router")

@@ -11,8 +11,9 @@ import logging
 
 from ..mqtt import constants as C
 from ..mqtt.codec import MQTTError
+from ..mqtt.topics import TopicError, parse_shared, validate_topic_filter
 from .shared import SharedGroups
-from .topics import TopicError, TopicTrie, parse_shared, validate_topic_filter
+from .topics import TopicTrie
 
 log = logging.getLogger("wrenmq.router")
 

@@ -1,69 +1,10 @@
-"""Topic names, topic filters and the subscription trie.
+"""The subscription trie and the retained-message trie.
 
 Matching walks the trie one topic level at a time, so its cost is linear in the
 number of levels times the wildcard branches that actually exist: there is no
-regular expression anywhere and no input can make it backtrack.
+regular expression anywhere and no input can make it backtrack. Both must agree with
+`mqtt.topics.topic_matches`, the plain reference matcher.
 """
-
-SHARE_PREFIX = "$share/"
-
-
-class TopicError(ValueError):
-    pass
-
-
-def validate_topic_name(topic, max_levels=0):
-    """Raise TopicError unless `topic` may be published to."""
-    if not topic:
-        raise TopicError("empty topic name")
-    if "+" in topic or "#" in topic:
-        raise TopicError("wildcard in topic name")
-    if max_levels and topic.count("/") >= max_levels:
-        raise TopicError(f"topic name has more than {max_levels} levels")
-
-
-def validate_topic_filter(flt, max_levels=0):
-    """Raise TopicError unless `flt` is a valid (non-shared) topic filter."""
-    if not flt:
-        raise TopicError("empty topic filter")
-    levels = flt.split("/")
-    if max_levels and len(levels) > max_levels:
-        raise TopicError(f"topic filter has more than {max_levels} levels")
-    last = len(levels) - 1
-    for i, level in enumerate(levels):
-        if "#" in level and (level != "#" or i != last):
-            raise TopicError("'#' must be the last level on its own")
-        if "+" in level and level != "+":
-            raise TopicError("'+' must occupy a whole level")
-
-
-def parse_shared(flt):
-    """Split '$share/group/filter' into (group, filter); (None, flt) if not shared."""
-    if not flt.startswith(SHARE_PREFIX):
-        return None, flt
-    rest = flt[len(SHARE_PREFIX):]
-    group, sep, inner = rest.partition("/")
-    if not group or not sep or not inner:
-        raise TopicError("shared subscription needs $share/<group>/<filter>")
-    if "+" in group or "#" in group:
-        raise TopicError("wildcard in shared subscription group name")
-    return group, inner
-
-
-def topic_matches(flt, topic):
-    """Reference matcher (plain, level by level); the trie must agree with it."""
-    if topic.startswith("$") and flt[:1] in ("+", "#"):
-        return False
-    fl = flt.split("/")
-    tl = topic.split("/")
-    for i, f in enumerate(fl):
-        if f == "#":
-            return True
-        if i >= len(tl):
-            return False
-        if f != "+" and f != tl[i]:
-            return False
-    return len(fl) == len(tl)
 
 
 class _Node:

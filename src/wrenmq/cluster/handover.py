@@ -10,7 +10,7 @@ as if it had never left (CONNACK session present 1).
 """
 
 from ..broker.session import Outgoing, Session, Subscription
-from ..broker.topics import parse_shared
+from ..mqtt.topics import parse_shared
 from .frames import message_from, publish_bytes
 
 

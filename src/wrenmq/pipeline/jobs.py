@@ -432,7 +432,7 @@ def check_options(job, o):
     naming the command-line flag: a data dir without a commit log, offsets, times, topic
     filters, intervals, counts. `run` calls it before it starts a session, so a mistake
     costs no JVM start and leaves no checkpoint."""
-    from ..broker.topics import TopicError, validate_topic_filter
+    from ..mqtt.topics import TopicError, validate_topic_filter
 
     if job not in STARTERS:
         raise OptionError(f"unknown job {job!r} (jobs: {', '.join(STARTERS)})")

@@ -389,7 +389,7 @@ def topic_matcher(filters):
     # The store's one import from a layer above it: topic matching is MQTT's, and
     # store must import only wrenmq.mqtt below it. Imported here, not at the top, so
     # that a reader without filters (a Spark worker, `wrenmq log`) never loads the broker.
-    from ..broker.topics import topic_matches
+    from ..mqtt.topics import topic_matches
 
     filters = list(filters)
     cache = {}

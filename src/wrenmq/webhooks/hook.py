@@ -11,7 +11,7 @@ adds nothing to the message path (HookChain skips hook points nobody implements)
 import time
 
 from ..broker.hooks import Hook
-from ..broker.topics import topic_matches
+from ..mqtt.topics import topic_matches
 from .delivery import Endpoint
 
 _OVERHEAD = 200  # bytes an event costs besides its payload, about (its tuple, the JSON later)

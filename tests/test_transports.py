@@ -28,7 +28,7 @@ import trustme
 from conftest import ROOT, RunningBroker, free_port, wait_port
 from mqtt_helpers import scrape, wait_for
 from wrenmq.broker import Hook
-from wrenmq.broker.listeners import cert_common_name
+from wrenmq.net.tls import cert_common_name
 from wrenmq.config import ConfigError, load
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import Decoder, encode
@@ -325,7 +325,7 @@ def test_tls_client_certificate_identity_as_username(make_broker, pki, caplog):
     assert "RC:135" in r.stdout, r.stdout
 
     # What CertConnection hands to authenticate() on such a listener.
-    from wrenmq.broker.listeners import CertConnection
+    from wrenmq.broker.listeners.tls import CertConnection
     assert isinstance(b.broker._servers[1]._connection(), CertConnection)
     assert cert_common_name({"subject": ((("countryName", "FR"),), (("commonName", "alice"),))}) == "alice"
     assert cert_common_name({}) is None and cert_common_name(None) is None
@@ -1151,7 +1151,7 @@ failed_login_delay = 0.2
 def test_metrics_listener_bounds_its_open_connections(make_broker):
     """A flood of idle connections to the metrics port holds at most METRICS_MAX_OPEN of
     them (each until the 5 s request timeout); the next are closed at once."""
-    from wrenmq.broker.listeners import METRICS_MAX_OPEN
+    from wrenmq.broker.listeners.metrics import METRICS_MAX_OPEN
 
     b = make_broker('[[listener]]\ntype = "metrics"\nport = 0\n')
     port = b.broker.addresses[1][1]
@@ -1173,7 +1173,7 @@ def test_failed_tls_handshakes_leave_no_count_behind(make_broker, pki):
     """wss and metrics-over-HTTPS connections whose TLS handshake fails are uncounted (they
     never reach the WebSocket side), so they cannot use up max_connections or the metrics
     listener's bound."""
-    from wrenmq.broker.listeners import METRICS_MAX_OPEN
+    from wrenmq.broker.listeners.metrics import METRICS_MAX_OPEN
 
     wss = free_port()
     b = make_broker(ws_listener(wss, pki) + tls_listener(pki, 0, type="metrics")

@@ -23,8 +23,8 @@ import json
 
 from wrenmq.broker.hooks import Hook
 from wrenmq.broker.message import Message
-from wrenmq.mqtt.topics import topic_matches
 from wrenmq.mqtt import constants as C
+from wrenmq.mqtt.topics import topic_matches
 
 
 class Gatekeeper(Hook):

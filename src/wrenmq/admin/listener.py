@@ -1,9 +1,10 @@
 """`[[listener]] type = "admin"`: the socket side of the admin API and dashboard.
 
-It has what the broker asks of a listener (`address`, `label`, `cfg`, `close`,
-`wait_closed`, `reload_tls`), so `Broker.listener_types` can open it like its own. TLS
-runs through the broker's acceptor (`accept_tls`: the handshake's failures are logged as
-on the MQTT listeners, and SIGHUP's new certificate applies to new handshakes); each
+It has what the broker asks of a listener (`address`, `label`, `cfg`, `serves_mqtt`,
+`mqtt_over_tcp`, `close`, `wait_closed`, `reload_tls`), so `Broker.listener_types` can open
+it like its own. TLS runs through net/'s acceptor (`accept_tls`: the handshake's failures
+are logged as on the MQTT listeners, and SIGHUP's new certificate applies to new
+handshakes; the listener is the acceptor's `TLSPort`); each
 accepted socket is an `HttpConnection` serving `Admin` (app.py). At most MAX_OPEN
 connections are held (a dashboard holds one for its live figures and one or two for its
 calls); past that a new one is closed at once.
@@ -18,7 +19,8 @@ import ipaddress
 import logging
 import time
 
-from ..broker.listeners import ListenerError, accept_tls, build_ssl_context
+from ..net import ListenerError
+from ..net.tls import accept_tls, build_ssl_context
 from .app import Admin
 from .feed import Feed
 from .http import HttpConnection
@@ -34,6 +36,9 @@ class _Refused(asyncio.Protocol):
 
 
 class AdminListener:
+    serves_mqtt = False
+    mqtt_over_tcp = False
+
     def __init__(self, broker, cfg, index):
         self.broker = broker
         self.cfg = cfg
@@ -58,6 +63,17 @@ class AdminListener:
     @property
     def tls(self):
         return self.cfg.tls
+
+    @property
+    def handshake_timeout(self):
+        return self.broker.config.limits.connect_timeout
+
+    @property
+    def min_tls_version(self):
+        return self.cfg.min_tls_version
+
+    def spawn(self, coro):
+        return self.broker.spawn(coro)
 
     @property
     def url(self):

@@ -17,7 +17,7 @@ from ..config import Config
 from ..mqtt import constants as C
 from ..store.store import SEAL_DELAY
 from .bans import Bans
-from .listeners import ListenerError, TLSReloadHook, open_listener
+from .listeners import LISTENER_TYPES, ListenerError, TLSReloadHook
 from .hooks import HookChain
 from .persistence import Persistence
 from .router import Router
@@ -58,7 +58,7 @@ class Broker:
         self.router = Router(self.config, self.hooks)
         self.auth.router = self.router
         self.connections = set()
-        # Accepted connections still in their TLS or WebSocket handshake (listeners.py): they
+        # Accepted connections still in their TLS or WebSocket handshake (listeners/): they
         # count against max_connections with those above.
         self.handshakes = 0
         self.loop = None
@@ -93,11 +93,10 @@ class Broker:
         # Client ids, user names and addresses refused at CONNECT (0x8A); saved under the data
         # directory with [storage] mode = "disk" (bans.py).
         self.bans = Bans()
-        # Listener types served by layers above the broker, which the assembly adds (wrenmq
-        # serve adds "admin", wrenmq.admin.install): type -> async opener(broker, cfg, index)
-        # returning a started listener (address, label, cfg, close(), wait_closed(),
-        # reload_tls(), as broker/listeners.py's Listener has).
-        self.listener_types = {}
+        # [[listener]] type -> async opener(broker, cfg, index) returning a started listener
+        # (listeners/__init__.py): the broker's own types, and those of layers above it that
+        # the assembly adds (the admin listener: wrenmq.admin.install).
+        self.listener_types = dict(LISTENER_TYPES)
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -136,16 +135,14 @@ class Broker:
             if self.store is not None:
                 self.store.close()
             raise
-        # One Listener per [[listener]] (TCP, TLS, WebSocket, Unix socket): see listeners.py.
+        # One listener per [[listener]], opened by its type's opener (listeners/).
         try:
             for i, lst in enumerate(self.config.listener):
                 opener = self.listener_types.get(lst.type)
                 if opener is None:
-                    if lst.type == "admin":
-                        raise ListenerError(f"listener[{i}].type: \"admin\" is served by wrenmq.admin, "
-                                            "which this broker was not assembled with (wrenmq serve is; "
-                                            "an embedding program calls wrenmq.admin.install(broker))")
-                    opener = open_listener
+                    raise ListenerError(f"listener[{i}].type: no listener of type \"{lst.type}\" in this "
+                                        "broker (wrenmq serve and wrenmq.Broker have them all; a type of "
+                                        "a layer above the broker is added to Broker.listener_types)")
                 listener = await opener(self, lst, i)
                 self._servers.append(listener)
                 self.addresses.append(listener.address)
@@ -159,8 +156,7 @@ class Broker:
             self._close_store_of_failed_start()
             raise
         if self.store is not None:
-            self.store.announce_listeners([addr for addr, lst in zip(self.addresses, self.config.listener)
-                                           if lst.type == "mqtt"])
+            self.store.announce_listeners([lst.address for lst in self._servers if lst.mqtt_over_tcp])
         if any(lst.tls for lst in self.config.listener):
             self.hooks.add(TLSReloadHook(self))  # SIGHUP (hooks.reload) re-reads certificates
         self.running = True
@@ -561,7 +557,7 @@ class Broker:
 
     def listener_connections(self):
         """Open network connections per MQTT listener name (a CONNECT not yet read counts)."""
-        counts = {lst.cfg.label: 0 for lst in self._servers if lst.cfg.type not in ("metrics", "admin")}
+        counts = {lst.cfg.label: 0 for lst in self._servers if lst.serves_mqtt}
         for conn in self.connections:
             name = conn.listener_name
             counts[name] = counts.get(name, 0) + 1

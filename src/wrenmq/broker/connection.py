@@ -20,14 +20,13 @@ from time import monotonic
 from ..mqtt import constants as C
 from ..mqtt.codec import ConnectRefused, Decoder, MQTTError, PacketTooLarge, encode
 from ..mqtt.packets import Auth, Connack, Disconnect
+from ..net.front import HTTP_METHODS, TLS_HANDSHAKE
 from . import states
 from .hooks import ClientInfo
 from .states import AUTH, CLOSED, NEW, OPEN
 
 log = logging.getLogger("wrenmq.connection")
 
-_TLS_HANDSHAKE = 0x16  # first byte of a TLS record carrying a handshake (ClientHello)
-_HTTP_METHODS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"OPTI")
 # Why reading is paused (a bit each; reading resumes when none is left).
 _P_WRITE, _P_AUTH, _P_RATE, _P_CLOSE, _P_TURN = 1, 2, 4, 8, 16
 # Bytes a connection reads before it lets the others have a loop turn (Broker.yield_turn):
@@ -532,10 +531,10 @@ class Connection(asyncio.Protocol):
         Checked only when the first bytes are not a CONNECT (the decoder failed, waits
         for more, or found another packet), so a normal connect pays nothing for it.
         """
-        if data[0] == _TLS_HANDSHAKE:
+        if data[0] == TLS_HANDSHAKE:
             log.warning("%s sent a TLS ClientHello to plain MQTT listener %s; closing (connect "
                         "without TLS, or use a listener with tls = true)", self.address, self.listener_name)
-        elif data[:4] in _HTTP_METHODS:
+        elif data[:4] in HTTP_METHODS:
             log.warning("%s sent an HTTP request to MQTT listener %s; closing (a WebSocket client "
                         "needs a type = \"ws\" listener)", self.address, self.listener_name)
         else:

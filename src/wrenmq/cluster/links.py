@@ -16,6 +16,7 @@ import logging
 import ssl
 import time
 
+from ..net.tls import TLSPort, accept_tls
 from . import RETRY, ClusterError
 from . import frames as F
 
@@ -202,29 +203,6 @@ def tls_contexts(cfg):
     return server, client
 
 
-class _LinkPort:
-    """The link port as the TLS listeners' acceptor asks a listener to be."""
-
-    def __init__(self, broker, loop, ssl_context, bind, port):
-        self.broker = broker
-        self.loop = loop
-        self.ssl_context = ssl_context
-        self.label = f"cluster link port {bind}:{port}"
-        self.cfg = self  # (the acceptor reads cfg.type and cfg.min_tls_version)
-        self.type = "cluster"
-        self.min_tls_version = "1.2"
-
-
-def _behind_tls_handshake(link, port):
-    """`link` (an InLink) behind the server side of the TLS handshake, run and logged as
-    the TLS listeners run theirs (a failure is logged with its reason); the link's
-    `connection_made` comes once it is over, `abandoned` if it fails. The one use of the
-    listeners' code in the cluster: the TLS acceptor is theirs."""
-    from ..broker.listeners import accept_tls
-
-    return accept_tls(link, port)
-
-
 # --- the links -----------------------------------------------------------------------
 
 
@@ -252,7 +230,7 @@ class Links:
         # Node name -> Peer.resume_from of a node that left: if it comes back not knowing
         # where it got to (it restarted), what its subscribers missed since is replayed.
         self._left = {}
-        self._port = None  # with TLS: the port as the acceptor sees it (_LinkPort)
+        self._port = None  # with TLS: the port as the TLS acceptor sees it (net.tls.TLSPort)
         self._dirty = []  # peers with frames in `out`
         self._flush_scheduled = False
 
@@ -269,7 +247,9 @@ class Links:
         cfg = cluster.cfg
         if cfg.tls:
             self.tls_server, self.tls_client = tls_contexts(cfg)
-            self._port = _LinkPort(cluster.broker, cluster.loop, self.tls_server, cfg.bind, cfg.port)
+            broker = cluster.broker
+            self._port = TLSPort(f"cluster link port {cfg.bind}:{cfg.port}", self.tls_server,
+                                 broker.config.limits.connect_timeout, broker.spawn)
         self.server = await cluster.loop.create_server(self._accept, cfg.bind, cfg.port, start_serving=False)
         return self.server.sockets[0].getsockname()[1]
 
@@ -290,9 +270,12 @@ class Links:
         link = InLink(self.cluster)
         if self.tls_server is None:
             return link
+        # The server side of the TLS handshake, run and logged as the TLS listeners run
+        # theirs (a failure is logged with its reason): the link's connection_made comes
+        # once it is over, its `abandoned` if it fails.
         link.handshaking = True
         self.handshakes += 1
-        return _behind_tls_handshake(link, self._port)
+        return accept_tls(link, self._port)
 
     def close(self):
         """Every link, and the port."""

@@ -31,10 +31,10 @@ import os
 import signal
 import sys
 
-from wrenmq.broker import Broker
+from wrenmq import Broker
 from wrenmq.broker.hooks import Hook
-from wrenmq.mqtt.topics import parse_shared
 from wrenmq.config import load
+from wrenmq.mqtt.topics import parse_shared
 
 
 class TokenAuth(Hook):

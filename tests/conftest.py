@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from wrenmq.broker import Broker
+from wrenmq import Broker
 from wrenmq.config import load
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import Decoder, encode

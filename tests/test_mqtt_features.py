@@ -14,7 +14,7 @@ from conftest import get_messages, no_message
 from mqtt_helpers import (clean_disconnect, connack_rc, drain, kill, persistent, pprops, publish,
                           raw_connect, raw_subscribe, rc_int, session_present, sub, uid, unsub,
                           wait_for)
-from wrenmq.broker import Broker
+from wrenmq import Broker
 from wrenmq.config import load
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import Decoder, encode

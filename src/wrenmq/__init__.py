@@ -9,7 +9,11 @@ _compiled.install()
 
 def __getattr__(name):
     # `from wrenmq import Broker, Hook` without importing the broker on `import wrenmq`.
-    if name in ("Broker", "Hook", "ClientInfo"):
-        from . import broker
-        return getattr(broker, name)
+    # Broker is the assembled one (assemble.py): with its [auth] hook, cluster, bridges.
+    if name == "Broker":
+        from .assemble import Broker
+        return Broker
+    if name in ("Hook", "ClientInfo", "Extension"):
+        from .broker import hooks
+        return getattr(hooks, name)
     raise AttributeError(name)

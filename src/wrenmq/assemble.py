@@ -1,17 +1,26 @@
-"""What `wrenmq serve` builds from a configuration: the Broker with its configured hooks.
+"""The assembly: the broker as `wrenmq serve` runs it and as a program embeds it.
 
-The broker itself (broker/) knows hooks only through `HookChain`; which hooks a served
-broker gets is decided here, above every part it puts together, as Mochi's `AddHook`
-does at assembly time:
+The broker core (broker/) knows nothing of the parts above it. They are put together
+here, above all of them, as Mochi's `AddHook` does at assembly time:
 
-1. the `[auth]` hook (password file, ACL file, and with `[auth.jwt]` / `[auth.http]` the
-   token and HTTP sources behind it: auth/hook.py `build_auth_hooks`), which Broker puts first;
+1. the `[auth]` hook (password file, ACL file, anonymous policy: auth/hook.py), first in
+   the chain: it asks the hooks behind it about users it does not know; with
+   `[auth.jwt]` / `[auth.http]`, the token and HTTP sources right behind it
+   (`build_auth_sources`);
 2. the `[[hook]]` tables, in the order of the file: `module = "package.module:Class"`,
    imported (with `path` first on the import path) and instantiated with `[hook.options]`
    as keyword arguments;
-3. the `[[webhook]]` endpoints (webhooks/), last, so they see messages as the hooks
+3. the program's hooks (`Broker(config, hooks=[...])`), in their order;
+4. the `[[webhook]]` endpoints (webhooks/), last, so they see messages as the hooks
    before them transformed them;
-4. the `[[bridge]]`s (bridge/), as the broker's extensions.
+5. with `[cluster]`, the node (cluster/extension.py), which joins before the listeners open;
+6. the bridges of the `[[bridge]]` tables (bridge/), or the extensions the program gives
+   instead (`Broker.add_extension`);
+7. the admin listener's type, `type = "admin"` (`wrenmq.admin.install`).
+
+    from wrenmq import Broker
+    async with Broker(config, hooks=[MyHook()]) as broker:
+        await broker.serve_forever()
 
 A hook that cannot be imported, is not a `Hook`, or raises when instantiated (or in its
 `start`, which the broker awaits before its listeners open) stops the start with an
@@ -23,7 +32,41 @@ import importlib
 import os
 import sys
 
+from .auth.hook import build_auth_hook, build_auth_sources
+from .broker import broker as core
 from .broker.hooks import Hook, HookError
+from .config import Config
+
+
+class Broker(core.Broker):
+    """The assembled broker (`wrenmq.Broker`). `hooks` go behind the `[auth]` hook and the
+    configuration's hooks; `extensions`, if given, replace the bridges of its `[[bridge]]`
+    tables (None: those bridges). ConfigError if a password, ACL or bridge TLS file cannot
+    be used, HookError if a `[[hook]]` cannot be loaded."""
+
+    def __init__(self, config=None, hooks=(), extensions=None):
+        config = config if config is not None else Config()
+        auth = build_auth_hook(config)
+        super().__init__(config, auth)
+        auth.chain = self.hooks
+        auth.router = self.router  # (a reload re-checks the queued messages)
+        for hook in [*build_auth_sources(config), *load_hooks(config), *hooks]:
+            self.add_hook(hook)
+        if config.webhook:
+            from .webhooks import Webhooks
+            self.add_hook(Webhooks(config.webhook))
+        if config.cluster.enabled:
+            from .cluster.extension import ClusterExtension
+            self.add_extension(ClusterExtension(config.cluster))
+        if extensions is None:
+            extensions = ()
+            if config.bridge:
+                from .bridge import bridge_extensions
+                extensions = bridge_extensions(config)
+        for extension in extensions:
+            self.add_extension(extension)
+        from . import admin
+        admin.install(self)
 
 
 def _import_class(cfg, index, spec):
@@ -66,16 +109,3 @@ def load_hooks(cfg):
         except Exception as e:
             raise HookError(f"hook[{i}] {spec.module}: raised at start: {type(e).__name__}: {e}") from e
     return hooks
-
-
-def build_broker(cfg):
-    """The Broker `wrenmq serve` runs for `cfg`: its configured hooks added, and the bridges
-    (bridge/) as its extensions."""
-    from .bridge import bridge_extensions
-    from .broker.broker import Broker
-
-    hooks = load_hooks(cfg)
-    if cfg.webhook:
-        from .webhooks import Webhooks
-        hooks.append(Webhooks(cfg.webhook))
-    return Broker(cfg, hooks, extensions=bridge_extensions(cfg))

@@ -61,16 +61,15 @@ def _serve(args):
 
 
 async def _run(cfg, log_handler=None):
-    from .assemble import build_broker
+    from .assemble import Broker
     from .broker.hooks import HookError
 
     try:
-        broker = build_broker(cfg)
+        # With the [auth] hook, the [[hook]]s, [cluster], the bridges, the admin listener.
+        broker = Broker(cfg)
     except (ConfigError, HookError) as e:  # e.g. a password or ACL file that cannot be used
         log.error("cannot start: %s", e)
         return 2
-    from .admin import install as install_admin
-    install_admin(broker)
     loop = asyncio.get_running_loop()
     # Before the listeners open: a SIGTERM that comes as soon as the port answers (a
     # service manager, a test) must stop the broker cleanly, not kill it by default action.

@@ -3,12 +3,8 @@
 `[[listener]] type = "admin"` serves them (docs/ADMIN.md). This package sits above the
 broker: it reads the router's state and changes it only through public methods
 (`Router.disconnect_client`, `Broker.publish`, `Broker.bans`), and the broker knows
-nothing of it. `install(broker)` is how an assembly (`wrenmq serve`, or a program that
-embeds the broker) adds the listener type:
-
-    broker = Broker(config)
-    wrenmq.admin.install(broker)
-    await broker.start()
+nothing of it. `install(broker)` is how the assembly (wrenmq/assemble.py: `wrenmq serve`
+and `wrenmq.Broker`) adds the listener type to a broker, before its `start()`.
 
 Modules: http.py (HTTP/1.1 on h11), app.py (routes, and the checks every request
 passes), auth.py and tokens.py (who may do what), api.py and openapi.py (the JSON API),

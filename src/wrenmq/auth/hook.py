@@ -1,6 +1,6 @@
 """The `[auth]` hook: password file, ACL file and the anonymous-access policy.
 
-The Broker always puts this hook first in its chain (`build_auth_hook`).
+The assembly (wrenmq/assemble.py) always puts this hook first in the chain (`build_auth_hook`).
 
 Authentication (CONNECT), in this order:
 
@@ -127,7 +127,7 @@ class FileAuth(Hook):
         self.chain = chain
         self._rest_key = None
         self._rest = ()
-        self.router = None  # set by the Broker: lets a reload re-check queued messages
+        self.router = None  # set by the assembly: lets a reload re-check queued messages
         self.passwords, self.acl = load_files(self.password_path, self.acl_path)
         self.reloads = 0
         self.reload_failures = 0

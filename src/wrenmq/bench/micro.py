@@ -67,7 +67,7 @@ class _Transport:
 
 
 async def _run(args):
-    from ..broker.broker import Broker
+    from ..assemble import Broker
     from ..broker.connection import Connection
 
     tmp = tempfile.mkdtemp(prefix="wrenmq-micro-")

@@ -1,6 +1,11 @@
-"""The Broker: owns the listeners, the router and the lifecycle; embeddable.
+"""The Broker core: owns the listeners, the router, the store and the lifecycle.
 
-    async with Broker(config) as broker:
+It knows the parts above it (auth, cluster, bridges, the admin listener) only through
+what the assembly gives it (wrenmq/assemble.py): its first hook, more hooks
+(`add_hook`), extensions (`add_extension`) and listener types (`listener_types`). A
+program embeds the assembled broker, `wrenmq.Broker`:
+
+    async with wrenmq.Broker(config) as broker:
         broker.publish("hello/world", b"hi")
         await broker.serve_forever()
 """
@@ -13,7 +18,6 @@ import os
 import weakref
 from time import monotonic
 
-from ..config import Config
 from ..mqtt import constants as C
 from ..store.store import SEAL_DELAY
 from .bans import Bans
@@ -44,19 +48,21 @@ def _tune_gc():
 
 
 class Broker:
-    def __init__(self, config=None, hooks=(), extensions=()):
-        self.config = config if config is not None else Config()
-        self.extensions = list(extensions)  # hooks.Extension: started and stopped with the broker
+    """`auth` is the hook that goes first in the chain (the `[auth]` hook of auth/hook.py in
+    an assembled broker: it asks the `authenticate` of the hooks behind it for users it does
+    not know). The broker also asks it, for a client no hook had an opinion of, whether
+    anonymous clients may connect on its listener (`anonymous_allowed(listener name)`),
+    and a metrics listener with `users` checks them against its password file
+    (`passwords`, `delay`)."""
+
+    def __init__(self, config, auth):
+        self.config = config
+        self.extensions = []  # hooks.Extension: started and stopped with the broker (add_extension)
         self._log_readers = []  # on_log_growth callbacks
         self._log_told = 0  # the log's end they were last told of
-        # The [auth] hook (password file, ACL, anonymous policy) goes first; it asks the
-        # authenticate of the hooks behind it for users it does not know.
-        from ..auth.hook import build_auth_hook, build_auth_sources
-        self.auth = build_auth_hook(self.config)
-        self.hooks = HookChain([self.auth, *build_auth_sources(self.config), *hooks])
-        self.auth.chain = self.hooks
+        self.auth = auth
+        self.hooks = HookChain([auth])
         self.router = Router(self.config, self.hooks)
-        self.auth.router = self.router
         self.connections = set()
         # Accepted connections still in their TLS or WebSocket handshake (listeners/): they
         # count against max_connections with those above.
@@ -82,7 +88,7 @@ class Broker:
         self._stopped = None
         self.running = False
         self.store = None
-        self.cluster = None  # cluster.node.Cluster with [cluster] enabled
+        self.cluster = None  # with [cluster]: the node (cluster/), set by its extension once joined
         self.failed = None
         # Output held until the epoch that produced it is durable: [epoch id, [(conn, bytes)]].
         self._held = collections.deque()
@@ -104,37 +110,29 @@ class Broker:
         self.loop = asyncio.get_running_loop()
         _tune_gc()
         self._stopped = asyncio.Event()
-        clustered = self.config.cluster.enabled
-        # In a cluster, the timers of the sessions restored from disk (wills and expiries
-        # that fell due while the broker was down) wait until it has joined: a session whose
-        # client came back on another node meanwhile ends then, without its will
-        # (cluster/membership.py).
-        self.router.timers.on_change = None if clustered else self._on_timer
+        early = [ext for ext in self.extensions if ext.before_listeners]
+        # The timers of the sessions restored from disk (wills and expiries that fell due
+        # while the broker was down) wait until the early extensions (the cluster) have
+        # started: a session whose client came back on another node meanwhile ends then,
+        # without its will (cluster/membership.py).
+        self.router.timers.on_change = None if early else self._on_timer
         if self.config.storage.mode == "disk":
             self._open_store()
-        if clustered:
-            # Joined before the listeners open: no client publishes before its
-            # messages can reach the other nodes.
-            from ..cluster.node import Cluster
-            cluster = Cluster(self, self.config.cluster)
-            try:
-                await cluster.start()
-            except BaseException:
-                self._close_store_of_failed_start()
-                raise
-            self.cluster = cluster
+        joined = []  # (the cluster: no client publishes before its messages can reach the other nodes)
+        try:
+            for ext in early:
+                await ext.start(self)
+                joined.append(ext)
+            await self.hooks.start(self)  # before the listeners: hooks see every client
+        except BaseException:
+            await self._stop_extensions(joined)
+            self._close_store_of_failed_start()
+            raise
+        if early:
             self.router.timers.on_change = self._on_timer
             due = self.router.timers.next_deadline()
             if due is not None:
                 self._on_timer(due)
-        try:
-            await self.hooks.start(self)  # before the listeners: hooks see every client
-        except BaseException:
-            if self.cluster is not None:
-                await self.cluster.stop()
-            if self.store is not None:
-                self.store.close()
-            raise
         # One listener per [[listener]], opened by its type's opener (listeners/).
         try:
             for i, lst in enumerate(self.config.listener):
@@ -151,8 +149,7 @@ class Broker:
                 listener.close()
             self._servers.clear()
             await self.hooks.stop()
-            if self.cluster is not None:
-                await self.cluster.stop()
+            await self._stop_extensions(joined)
             self._close_store_of_failed_start()
             raise
         if self.store is not None:
@@ -162,13 +159,22 @@ class Broker:
         self.running = True
         try:
             for ext in self.extensions:
-                await ext.start(self)
+                if not ext.before_listeners:
+                    await ext.start(self)
         except BaseException:
             await self.stop()
             raise
         if self.config.sys.interval > 0:
             self._publish_sys()
         return self
+
+    async def _stop_extensions(self, started):
+        """Stop the extensions of `started` (in the order they started), the last first."""
+        for ext in reversed(started):
+            try:
+                await ext.stop()
+            except Exception:
+                log.exception("stopping %s failed", type(ext).__name__)
 
     def _close_store_of_failed_start(self):
         """Close the store (and with it the data dir's lock, so a program that embeds the
@@ -224,13 +230,10 @@ class Broker:
         self.running = False
         for server in self._servers:
             server.close()
-        for ext in reversed(self.extensions):
-            try:
-                await ext.stop()
-            except Exception:
-                log.exception("stopping %s failed", type(ext).__name__)
-        if self.cluster is not None:
-            await self.cluster.stop()  # the other nodes stop sending here at once
+        # In the reverse of their start's order: the cluster, which joined before the
+        # listeners opened, leaves last (the other nodes stop sending here at once).
+        await self._stop_extensions([ext for ext in self.extensions if ext.before_listeners] +
+                                    [ext for ext in self.extensions if not ext.before_listeners])
         for h in (self._sys_handle, self._timer, self._checkpoint_handle, self._sweep_handle, self._disk_handle):
             if h is not None:
                 h.cancel()
@@ -564,8 +567,8 @@ class Broker:
         return counts
 
     def extra_sys_values(self):
-        """More $SYS values from parts that plug in (commit log, cluster)."""
-        values = self.cluster.sys_values() if self.cluster is not None else {}
+        """More $SYS values from parts that plug in (commit log, cluster, bridges)."""
+        values = {}
         for ext in self.extensions:
             values.update(ext.sys_values())
         values.update(self.hooks.sys_values())
@@ -603,7 +606,14 @@ class Broker:
         return self.router.publish_internal(topic, payload, qos, retain, properties, client)
 
     def add_hook(self, hook):
+        """Put `hook` (a hooks.Hook) in the chain, behind the ones already there; the
+        assembly adds them before `start()`."""
         self.hooks.add(hook)
+
+    def add_extension(self, extension):
+        """Have `extension` (a hooks.Extension) started and stopped with the broker, in the
+        order they are added (those with `before_listeners` before the others)."""
+        self.extensions.append(extension)
 
     def reload_tls(self):
         """Re-read every TLS listener's certificate, key and CA (new handshakes use them;

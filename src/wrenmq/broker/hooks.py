@@ -125,12 +125,16 @@ class Hook:
 
 
 class Extension:
-    """A part that runs beside the broker and is no hook (bridges to other brokers).
+    """A part that runs beside the broker and is no hook (the cluster, bridges to other
+    brokers).
 
-    The assembly gives them to `Broker(config, hooks, extensions)`: `start` runs once the
-    listeners are open, `stop` first when the broker stops (while the store still takes
-    writes); `sys_values` adds to $SYS, `metrics` to the metrics listener, as
-    (name, type, help, [(labels dict, value), ...]) per metric."""
+    The assembly adds them (`Broker.add_extension`): `start` runs once the listeners are
+    open, `stop` first when the broker stops (while the store still takes writes); with
+    `before_listeners`, `start` runs before the listeners open (a failure stops the start)
+    and `stop` after the others'. `sys_values` adds to $SYS, `metrics` to the metrics
+    listener, as (name, type, help, [(labels dict, value), ...]) per metric."""
+
+    before_listeners = False
 
     async def start(self, broker):
         pass

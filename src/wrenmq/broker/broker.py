@@ -372,7 +372,7 @@ class Broker:
         self._throttled = []
         for conn in conns:
             if not conn.closing:
-                conn._metered(b"")
+                conn.throttle_tick()
 
     def expect_connect(self, conn):
         """A new connection: have `conn.deadline(now)` called once its connect timeout is up.
@@ -411,7 +411,7 @@ class Broker:
         arrivals = self._arrivals
         while arrivals and arrivals[0][0] <= now:
             conn = arrivals.popleft()[1]()
-            if conn is not None and conn._watch is None:
+            if conn is not None and not conn.watched:
                 conn.deadline(now)
         last = int(now / DEADLINE_TICK)
         first = self._swept + 1

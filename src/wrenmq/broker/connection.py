@@ -246,6 +246,10 @@ class Connection(asyncio.Protocol):
     def resume_turn(self):
         self._unpause(_P_TURN)
 
+    def throttle_tick(self):
+        """The broker's throttle tick (Broker.throttle): the tokens have grown since."""
+        self._metered(b"")
+
     def _pause(self, why):
         if not self._paused and self.transport is not None:
             try:
@@ -713,6 +717,11 @@ class Connection(asyncio.Protocol):
         self.close()
 
     # --- timers ------------------------------------------------------------
+
+    @property
+    def watched(self):
+        """True while the broker's wheel has a deadline of this connection (Broker.watch)."""
+        return self._watch is not None
 
     def _unwatch(self):
         if self._watch is not None:

@@ -409,7 +409,7 @@ def test_config_md_is_generated_from_the_code():
     """docs/CONFIG.md is `wrenmq config docs`: a key added or changed here shows there."""
     from pathlib import Path
 
-    from wrenmq.config import config_markdown
+    from wrenmq.config_docs import config_markdown
     doc = Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md"
     assert doc.read_text() == config_markdown(), "run: wrenmq config docs > docs/CONFIG.md"
 

@@ -21,9 +21,9 @@ SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "wrenmq"
 # package's own __init__.py, which gives `wrenmq.Broker` (the assembled broker).
 LAYERS = (
     ("mqtt", "_compiled"),  # the wire format: codec, packets, topic names and filters
-    ("store", "net", "config", "config_import", "mosquitto_config", "ports"),
+    ("store", "net", "config", "config_docs", "config_import", "mosquitto_config", "logfiles", "ports"),
     ("broker",),
-    ("auth", "cluster", "pipeline", "bridge", "admin"),
+    ("auth", "cluster", "pipeline", "bridge", "admin", "webhooks"),
     ("assemble", "cli", "bench", "__main__", "wrenmq"),  # the assembly and the commands
 )
 LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}

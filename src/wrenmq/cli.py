@@ -148,7 +148,7 @@ def _config_import(args):
 
 
 def _config_docs(args):
-    from .config import config_markdown
+    from .config_docs import config_markdown
     sys.stdout.write(config_markdown())
     return 0
 

@@ -15,7 +15,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import get_args, get_origin
 
-from .mosquitto_config import mapping_markdown, mosquitto_directives, mosquitto_message
+from .mosquitto_config import mosquitto_directives, mosquitto_message
+from .mqtt.topics import TopicError, filter_covers, filters_overlap, validate_topic_filter
 
 
 class ConfigError(ValueError):
@@ -479,9 +480,9 @@ class Config:
 
 # Arrays of tables: [[listener]], [[bridge]], [[hook]], [[webhook]] at the top,
 # [[bridge.topic]] in a bridge.
-_LIST_TYPES = {"listener": ListenerConfig, "bridge": BridgeConfig, "hook": HookConfig,
+LIST_TYPES = {"listener": ListenerConfig, "bridge": BridgeConfig, "hook": HookConfig,
                "webhook": WebhookConfig}
-_NESTED_LIST_TYPES = {(BridgeConfig, "topic"): BridgeTopicConfig}
+NESTED_LIST_TYPES = {(BridgeConfig, "topic"): BridgeTopicConfig}
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
@@ -525,7 +526,7 @@ def _build(cls, data, src, prefix):
         if f is None:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"{src}: {path}: unknown key (known here: {known})")
-        table_cls = _LIST_TYPES.get(key) if cls is Config else _NESTED_LIST_TYPES.get((cls, key))
+        table_cls = LIST_TYPES.get(key) if cls is Config else NESTED_LIST_TYPES.get((cls, key))
         if table_cls is not None:
             if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
                 table = f"{prefix.rstrip('.').split('[')[0]}.{key}" if prefix else key
@@ -663,39 +664,6 @@ def _validate_cluster(src, c):
         fail("advertise", f"required when bind is {c.bind!r} (the address other nodes connect to)")
 
 
-def filters_overlap(a, b):
-    """Whether some topic matches both MQTT filters `a` and `b`."""
-    la, lb = a.split("/"), b.split("/")
-    for x, y in zip(la, lb):
-        if x == "#" or y == "#":
-            return True
-        if x != y and "+" not in (x, y):
-            return False
-    if len(la) == len(lb):
-        return True
-    longer = la if len(la) > len(lb) else lb
-    return longer[min(len(la), len(lb))] == "#"  # ("a/#" matches "a" too)
-
-
-def filter_covers(general, specific):
-    """Whether every topic that filter `specific` matches is matched by filter `general`."""
-    lg, ls = general.split("/"), specific.split("/")
-    for i, x in enumerate(lg):
-        if x == "#":
-            return not (i == 0 and ls[0][:1] == "$")  # (a wildcard first matches no $ topic)
-        if i >= len(ls):
-            return False
-        y = ls[i]
-        if y == "#":
-            return False
-        if x == "+":
-            if i == 0 and y[:1] == "$":
-                return False
-        elif x != y:
-            return False
-    return len(lg) == len(ls)
-
-
 _BRIDGE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -709,7 +677,6 @@ def _check_address(fail, key, address):
 
 def _validate_bridges(cfg):
     """[[bridge]]: each key, and what the bridge needs of the rest of the file."""
-    from .mqtt.topics import TopicError, validate_topic_filter
     src = cfg.source
     names = set()
     for i, b in enumerate(cfg.bridge):
@@ -824,7 +791,6 @@ def _validate_extensions(cfg):
     if jwt.jwks_url:
         _check_url(src, "auth.jwt.jwks_url", jwt.jwks_url)
     names = set()
-    from .mqtt.topics import TopicError, validate_topic_filter
     for i, w in enumerate(cfg.webhook):
         where = f"webhook[{i}]"
         if not w.url:
@@ -873,7 +839,6 @@ def validate(cfg):
     _validate_cluster(src, cfg.cluster)
     _validate_bridges(cfg)
     _validate_extensions(cfg)
-    from .mqtt.topics import TopicError, validate_topic_filter
     for f in cfg.log.topics:
         try:
             validate_topic_filter(f)
@@ -908,83 +873,3 @@ def load(path=None, text=None):
     cfg = _build(Config, data, src, "")
     cfg.source = src
     return validate(cfg)
-
-
-def iter_keys():
-    """Yield (section, key, type name, default, doc) for every setting (docs/CONFIG.md)."""
-    def walk(name, cls):
-        nested = []
-        for f in dataclasses.fields(cls):
-            if f.metadata.get("internal"):
-                continue
-            if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
-                nested.append((f"{name}.{f.name}" if name else f.name, f.default_factory))
-                continue
-            if cls is Config:
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            yield name, f.name, getattr(f.type, "__name__", str(f.type)), default, f.metadata.get("doc", "")
-        for sub, subcls in nested:
-            yield from walk(sub, subcls)
-
-    yield from walk("listener", ListenerConfig)
-    yield from walk("", Config)
-    for name, cls in _LIST_TYPES.items():
-        if name != "listener":
-            yield from walk(name, cls)
-            for (parent, key), sub in _NESTED_LIST_TYPES.items():
-                if parent is cls:
-                    yield from walk(f"{name}.{key}", sub)
-
-
-_INTRO = """# Configuration
-
-wrenmq reads one TOML file (`wrenmq serve --config FILE`; `wrenmq config check FILE`
-validates one). Every key is optional: without a file the broker runs with the defaults
-below, listening on 127.0.0.1:1883 only. An unknown key or a value of the wrong type
-stops the broker with one line naming the file, the key and what was expected.
-
-This file is generated by `wrenmq config docs`; a test keeps it in step with the code.
-"""
-
-
-_MOSQUITTO_INTRO = """
-## Coming from Mosquitto
-
-`wrenmq config import mosquitto.conf` prints the wrenmq TOML of a Mosquitto file (and of the
-files its `include_dir` names), with every line it does not carry over listed at the top
-(docs/BRIDGE.md, "Moving from Mosquitto"). A `mosquitto.conf` given to `wrenmq serve
---config` or `wrenmq config check` is recognised (by its directives) and refused with a
-message that names the directives it found and the import command. Each Mosquitto
-directive and the wrenmq setting that does its job ("(none)": no counterpart).
-Mosquitto's password and ACL files are used as they are.
-"""
-
-
-def _fmt_default(v):
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, str):
-        return f'"{v}"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_fmt_default(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_fmt_default(x)}" for k, x in v.items()) + "}"
-    return str(v)
-
-
-def config_markdown():
-    out = [_INTRO]
-    current = None
-    for section, key, typ, default, doc in iter_keys():
-        if section != current:
-            current = section
-            tables = section in _LIST_TYPES or any(section == f"{name}.{key}" for name, cls in _LIST_TYPES.items()
-                                                    for (parent, key) in _NESTED_LIST_TYPES if parent is cls)
-            header = f"[[{section}]]" if tables else f"[{section}]"
-            out.append(f"\n## `{header}`\n\n| key | type | default | meaning |\n|---|---|---|---|")
-        out.append(f"| `{key}` | {typ} | `{_fmt_default(default)}` | {doc} |")
-    out.append(_MOSQUITTO_INTRO)
-    out.append(mapping_markdown())
-    out.append("")
-    return "\n".join(out)

@@ -16,8 +16,8 @@ import json
 import os
 import socket
 
-from .config import filters_overlap
 from .mosquitto_config import DIRECTIVES, mosquitto_directives
+from .mqtt.topics import filters_overlap
 
 
 class MosquittoImportError(ValueError):

@@ -19,8 +19,7 @@ covers "t/+/x"; "t/+" does not cover "t/#"). A shared subscription is checked by
 filter ("$share/g/t/1" by "t/1"). Pure functions and data: no I/O.
 """
 
-from ..mqtt.topics import TopicError, parse_shared, topic_matches, validate_topic_filter
-from ..config import filter_covers
+from ..mqtt.topics import TopicError, filter_covers, parse_shared, topic_matches, validate_topic_filter
 
 MAX_RULES = 1000  # per client: what one check may walk
 

@@ -1,4 +1,5 @@
-"""Topic names and topic filters: validation, `$share/` parsing and the reference matcher.
+"""Topic names and topic filters: validation, `$share/` parsing, the reference matcher, and
+how two filters relate (`filters_overlap`, `filter_covers`).
 
 Pure functions of strings, used by the broker, the config, the store's readers and the
 tools alike; the tries that match many filters at once are the broker's (broker/topics.py)
@@ -64,3 +65,36 @@ def topic_matches(flt, topic):
         if f != "+" and f != tl[i]:
             return False
     return len(fl) == len(tl)
+
+
+def filters_overlap(a, b):
+    """Whether some topic matches both MQTT filters `a` and `b`."""
+    la, lb = a.split("/"), b.split("/")
+    for x, y in zip(la, lb):
+        if x == "#" or y == "#":
+            return True
+        if x != y and "+" not in (x, y):
+            return False
+    if len(la) == len(lb):
+        return True
+    longer = la if len(la) > len(lb) else lb
+    return longer[min(len(la), len(lb))] == "#"  # ("a/#" matches "a" too)
+
+
+def filter_covers(general, specific):
+    """Whether every topic that filter `specific` matches is matched by filter `general`."""
+    lg, ls = general.split("/"), specific.split("/")
+    for i, x in enumerate(lg):
+        if x == "#":
+            return not (i == 0 and ls[0][:1] == "$")  # (a wildcard first matches no $ topic)
+        if i >= len(ls):
+            return False
+        y = ls[i]
+        if y == "#":
+            return False
+        if x == "+":
+            if i == 0 and y[:1] == "$":
+                return False
+        elif x != y:
+            return False
+    return len(lg) == len(ls)

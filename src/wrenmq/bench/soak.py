@@ -18,7 +18,7 @@ in flight: `$SYS/broker/store/messages/count` and `/bytes`, as of its last $SYS 
 At the end: RSS at a quarter, half and the end of the run, and the growth over the second
 half (MiB per minute): a broker that holds nothing past the churn's steady state grows by
 about zero there. Then `--settle` seconds with no clients (past the sessions' expiry): what
-the broker gives back once what it held is gone. docs/BENCHMARKS.md (stops 27, 28) has
+the broker gives back once what it held is gone. docs/BENCHMARKS.md ("Soak") has
 readings.
 """
 

@@ -3,7 +3,7 @@
 # CRC-32C for the checksums of the batch encoder, in C so that it runs without the GIL:
 # `crc32c.crc32c` computes the same, but each call goes through Python's argument parsing
 # and buffer protocol, which cost more than the checksum of a 1 KiB payload (about 550
-# machine instructions per record, callgrind, 2026-11-25), and needs the GIL. With the
+# machine instructions per record), and needs the GIL. With the
 # SSE 4.2 instruction where the CPU has it (checked at import), else a portable
 # table-driven loop (slicing by 8); the tests require the bytes of the reference encoder,
 # whose checksums are `crc32c`'s, both ways.
@@ -226,7 +226,7 @@ cdef extern from *:
 
     /* The writer's own writev (write_records): the whole iovec array, in runs of at
        most IOV_MAX buffers and about WRENMQ_WRITE_BYTES (a single 4 MiB write into the
-       page cache cost the writer 2.5x the CPU of four 1 MiB ones, 2026-11-25), short
+       page cache costs the writer 2.5x the CPU of four 1 MiB ones), short
        writes finished, EINTR retried; 0 or an errno. `iov` holds (address, length)
        pairs of 64-bit words, struct iovec's layout on the 64-bit platforms where the
        encoder is compiled with the CRC instruction. */

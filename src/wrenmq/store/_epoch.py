@@ -2,8 +2,8 @@
 """The loop side of the store: the epoch being filled and the steps run per logged message.
 
 `Store.append` and `Store.append_record` run once for every message the log records,
-on the event loop. Interpreted they cost about 2,000 machine instructions each
-(callgrind, 2026-11-25), a quarter of what routing a 1 KiB QoS 0 message costs. This
+on the event loop. Interpreted they cost about 2,000 machine instructions each, a
+quarter of what routing a 1 KiB QoS 0 message costs. This
 module holds them and the epoch they fill, as plain Python that `_epoch.pxd` gives C
 types when the install compiles it (setup.py; optional): the calls then stay Python
 calls, their bodies become C. Uncompiled it is the same code, only slower; `store.Store`
@@ -12,9 +12,9 @@ is a subclass of `EpochAppender` either way.
 An epoch keeps its records in two byte buffers, not as a Python object per record: the
 loop copies each record's fields in, and the payload object is freed right after
 routing, as with the log off. The writer thread then checksums and writes the buffers
-without the GIL and hands them back for reuse: with a tuple and a payload object per
-record it held the GIL for about 150 ns per 4 KiB record to free them, and the event
-loop waited for it (docs/BENCHMARKS.md, 2026-11-25).
+without the GIL and hands them back for reuse: a tuple and a payload object per record
+would have it hold the GIL for about 150 ns per 4 KiB record to free them, while the
+event loop waits for it.
 """
 
 import struct

@@ -12,9 +12,9 @@ comes from batching, not from skipping the fsync.
 
 Under `fsync = "interval"` the periodic fdatasync runs on a second thread (the
 syncer): the writer hands it the segment and goes on writing. Done on the writer,
-each sync stopped the log for as long as the device took to take the last interval's
-bytes (a fifth of the writer's time at 700 MB/s, docs/BENCHMARKS.md), and with the
-writer stopped the loop soon had to hold publishers back (`max_unwritten_bytes`).
+each sync would stop the log for as long as the device takes to take the last
+interval's bytes (a fifth of the writer's time at 700 MB/s), and with the writer
+stopped the loop would soon hold publishers back (`max_unwritten_bytes`).
 """
 
 import collections
@@ -305,8 +305,7 @@ class Store(EpochAppender):
         every fsync mode a kill -9 must not lose them once acknowledged). Otherwise (QoS 0
         only) it keeps growing for up to SEAL_DELAY, or until `append` seals it at
         _epoch.SEAL_RECORDS: each hand-over wakes the writer thread, and each wake-up costs the
-        loop the GIL (a quarter of the broker's CPU at 100k QoS 0 msg/s, see
-        docs/BENCHMARKS.md).
+        loop the GIL (a quarter of the broker's CPU at 100k QoS 0 msg/s).
         """
         return self._epoch.durable
 
@@ -401,9 +400,9 @@ class Store(EpochAppender):
         if self.config.log.enabled:
             # The pool's buffers are allocated and touched here, before the first message:
             # fresh buffers cost the loop a page fault per 4 KiB in the first flood after a
-            # start, when the writer is slowest and its backlog largest (a1, the first run
-            # of a new broker: 268 faults per 1,000 messages, 44 with the pool filled first;
-            # docs/BENCHMARKS.md). It is the memory max_unwritten_bytes allows the backlog.
+            # start, when the writer is slowest and its backlog largest (at a1, the first
+            # run of a new broker: 268 faults per 1,000 messages, 44 with the pool filled
+            # first). It is the memory max_unwritten_bytes allows the backlog.
             pool = self._pool
             while len(pool) < pool.maxlen:
                 pool.appendleft(new_buffers())
@@ -535,8 +534,8 @@ class Store(EpochAppender):
             if epochs and not stop and not batch_durable and not self.loop_holding and self._drain_at is None:
                 # It wrote QoS 0 records only, and nothing waits for it: let the next
                 # epochs gather before taking them. Each time it wakes the writer takes the
-                # GIL twice, and the loop pays for every hand-over (docs/BENCHMARKS.md,
-                # stop 17). A durable epoch, a waiting loop or a close cuts this short.
+                # GIL twice, and the loop pays for every hand-over. A durable epoch, a
+                # waiting loop or a close cuts this short.
                 self._urgent.wait(self.gather)
 
     def _hand_sealed(self, fds):

@@ -82,7 +82,7 @@ async def _run(args):
     listener = broker.config.listener[0]
 
     def connect(cid):
-        conn = Connection(broker, listener)
+        conn = Connection(broker, listener, sniff=True)  # as on a plain TCP listener
         conn.connection_made(_Transport())
         conn.data_received(encode(Connect(cid, version, True, 60), version))
         return conn

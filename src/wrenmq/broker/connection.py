@@ -50,7 +50,7 @@ class Connection(asyncio.Protocol):
         "bytes_in", "bytes_out", "packets_in", "__weakref__",
     )
 
-    def __init__(self, broker, listener, name=None):
+    def __init__(self, broker, listener, name=None, sniff=False):
         self.broker = broker
         self.router = broker.router
         self.listener = listener
@@ -87,9 +87,10 @@ class Connection(asyncio.Protocol):
         self._room = high
         self._backed = 0
         self._stopped = False  # the transport called pause_writing
-        # A plain TCP listener looks at a stream's first bytes when they are not an MQTT
-        # CONNECT: a TLS ClientHello or an HTTP request gets a log line that says so.
-        self._sniff = listener.type == "mqtt" and not listener.tls
+        # `sniff` (a plain TCP listener's connections): look at the stream's first bytes
+        # when they are not an MQTT CONNECT; a TLS ClientHello or an HTTP request gets a
+        # log line that says so.
+        self._sniff = sniff
         self._rx_turn = 0  # bytes read since this connection last yielded its turn
         # The protocol error that ends this connection; a decoder's may wait for the packets
         # decoded before it (they are handled first, then it closes).

@@ -90,13 +90,13 @@ class Listener:
     def spawn(self, coro):
         return self.broker.spawn(coro)
 
-    def _connection(self):
+    def _connection(self, sniff=False):
         """A new MQTT `Connection` for this listener (one that sees the client's certificate
-        on a TLS listener with a CA)."""
+        on a TLS listener with a CA); `sniff`: see Connection."""
         cfg = self.cfg
         if cfg.tls and cfg.cafile:
-            return CertConnection(self.broker, self.cfg, self._conn_name)
-        return Connection(self.broker, self.cfg, self._conn_name)
+            return CertConnection(self.broker, self.cfg, self._conn_name, sniff)
+        return Connection(self.broker, self.cfg, self._conn_name, sniff)
 
     def _at_connection_limit(self):
         broker = self.broker

@@ -27,11 +27,12 @@ class TcpListener(Listener):
         against max_connections, as one waiting for its CONNECT does
         (Connection.connection_made refuses those past the limit)."""
         cfg = self.cfg
+        # A plain one sniffs its own first bytes (Connection._foreign).
         if not (cfg.tls or cfg.proxy_protocol):
-            return self._connection()  # it sniffs its own first bytes (Connection._foreign)
+            return self._connection(sniff=True)
         if self._at_connection_limit():
             return Refused(self.broker, self._conn_name, "max_connections reached")
-        conn = front = self._connection()
+        conn = front = self._connection(sniff=not cfg.tls)
         if cfg.tls:
             broker = self.broker
             broker.handshakes += 1

@@ -38,8 +38,8 @@ class CertConnection(Connection):
 
     __slots__ = ("cert_identity",)
 
-    def __init__(self, broker, listener, name=None):
-        super().__init__(broker, listener, name)
+    def __init__(self, broker, listener, name=None, sniff=False):
+        super().__init__(broker, listener, name, sniff)
         self.cert_identity = None
 
     def _peercert(self):

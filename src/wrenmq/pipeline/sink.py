@@ -208,7 +208,3 @@ class AtomicParquetSink:
                 os.unlink(os.path.join(self.manifests, n))
             except FileNotFoundError:
                 pass
-
-    def last_batch(self):
-        names = sorted(n for n in os.listdir(self.manifests) if n.endswith(".json"))
-        return int(names[-1][:-5]) if names else None

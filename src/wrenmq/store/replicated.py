@@ -40,7 +40,7 @@ from .files import fsync_dir, write_atomic
 from .format import ATTR_STATE, STATE_FLAGS, Batch, CorruptBatch
 from .reader import RawReader
 from .state import META_SET, decode_ops, encode_ops
-from .store import Store, _compiled_write, encode_epochs
+from .store import Store, compiled_write, encode_epochs
 
 log = logging.getLogger("wrenmq.store")
 
@@ -310,8 +310,8 @@ class ReplicatedStore(Store):
         attrs = ATTR_STATE if any(map(has_state_record, epochs)) else 0
         log_ = self.log
         base = epochs[0].base
-        if _compiled_write is not None and log_.writes_through_cache:
-            write = functools.partial(_compiled_write, attrs=attrs, epoch=self.leader_epoch)
+        if compiled_write is not None and log_.writes_through_cache:
+            write = functools.partial(compiled_write, attrs=attrs, epoch=self.leader_epoch)
             return log_.append_epochs(base, count, epochs, write)
         data, first_ts, max_ts = encode_epochs(epochs, attrs, self.leader_epoch)
         return log_.append(data, base, count, first_ts, max_ts)

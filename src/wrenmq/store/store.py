@@ -39,9 +39,10 @@ try:  # the compiled batch encoder (setup.py builds it when a C compiler is ther
     from . import _encode
     # Only compiled; else format's reference encoder.
     _compiled_encode = _encode.encode_epochs if _encode.COMPILED else None
-    _compiled_write = _encode.write_epochs if _encode.WRITES else None
+    # The compiled writer of epochs (without the GIL), or None: also the replicated store's.
+    compiled_write = _encode.write_epochs if _encode.WRITES else None
 except ImportError:  # not built, and Cython (which the source imports) not installed
-    _compiled_encode = _compiled_write = None
+    _compiled_encode = compiled_write = None
 
 log = logging.getLogger("wrenmq.store")
 
@@ -623,8 +624,8 @@ class Store(EpochAppender):
         """Encode and write the batch; its size."""
         log = self.log
         base = epochs[0].base
-        if _compiled_write is not None and log.writes_through_cache:
-            return log.append_epochs(base, count, epochs, _compiled_write)
+        if compiled_write is not None and log.writes_through_cache:
+            return log.append_epochs(base, count, epochs, compiled_write)
         data, first_ts, max_ts = encode_epochs(epochs)
         return log.append(data, base, count, first_ts, max_ts)
 

@@ -46,7 +46,8 @@ def build_log(data_dir, n, payload_size, per_batch=200, node="bench"):
     return size
 
 
-def _time(fn):
+def seconds(fn):
+    """How long `fn()` took, in seconds."""
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
@@ -106,8 +107,8 @@ def main(argv=None):
         assert pq.count() == a.records and src.count() == a.records
         wren_times, pq_times = [], []
         for _ in range(a.repeat):
-            wren_times.append(_time(lambda: src.write.format("noop").mode("overwrite").save()))
-            pq_times.append(_time(lambda: pq.write.format("noop").mode("overwrite").save()))
+            wren_times.append(seconds(lambda: src.write.format("noop").mode("overwrite").save()))
+            pq_times.append(seconds(lambda: pq.write.format("noop").mode("overwrite").save()))
         wren, par = a.records / min(wren_times), a.records / min(pq_times)
         parts = src.rdd.getNumPartitions()
         spark.stop()

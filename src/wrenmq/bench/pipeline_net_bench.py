@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from .pipeline_bench import _time, build_log
+from .pipeline_bench import build_log, seconds
 
 
 def _serve(work, data_dir, node):
@@ -75,7 +75,7 @@ def read_alone(data_dir, url, node, n):
         rows = sum(rb.num_rows for rb in read_range(Net(url), node, [url], 0, n))
         assert rows == n, rows
 
-    return n / min(_time(files) for _ in range(2)), n / min(_time(network) for _ in range(2))
+    return n / min(seconds(files) for _ in range(2)), n / min(seconds(network) for _ in range(2))
 
 
 def main(argv=None):
@@ -128,7 +128,7 @@ def main(argv=None):
         times = {"network": [], "files": [], "parquet": []}
         for _ in range(a.repeat):
             for name, df in (("network", net_df), ("files", fs_df), ("parquet", pq)):
-                times[name].append(_time(lambda: df.write.format("noop").mode("overwrite").save()))
+                times[name].append(seconds(lambda: df.write.format("noop").mode("overwrite").save()))
         rates = {k: a.records / min(v) for k, v in times.items()}
         parts = net_df.rdd.getNumPartitions()
         result = {"records": a.records, "log_bytes": log_bytes, "master": a.master, "cores": os.cpu_count(),

@@ -120,7 +120,7 @@ class TopicTrie:
 # What one node of the retained tree takes besides the text of its label and its key (the
 # node, its entry in its parent's dict, that key's and the label's str headers, a share of
 # the dicts of nodes with children, its version number), measured with tracemalloc over
-# trees of deep and of wide topics (docs/BENCHMARKS.md, "retained messages on deep topics").
+# trees of deep and of wide topics (`python -m wrenmq.bench.bounds retained`).
 RETAINED_NODE_COST = 200
 
 

@@ -8,10 +8,10 @@ record against the session's own subscriptions as they were at that offset, and 
 what they want, until it reaches the log's end and live routing takes over again.
 """
 
+from ..mqtt.topics import topic_matches
 from .message import Message
 from .session import Outgoing
 from .timers import TimerKind
-from ..mqtt.topics import topic_matches
 
 
 def catch_up(router, session, max_records=2000):

@@ -205,6 +205,9 @@ def test_out_loses_no_acknowledged_message_across_remote_restarts_and_kill_9(tmp
     edge.start()
     acked += batch(300, "p3")
     remote.start()
+    # (the bridge reconnects before the next kill, whatever its backoff under load)
+    assert wait_for(lambda: len(re.findall(r"bridge cloud: connected to ", edge.log)) >= 2, timeout=30,
+                    interval=0.05), edge.log
     # kill -9 while it sends (and while the publisher is still publishing)
     during = []
     t = threading.Thread(target=lambda: during.extend(batch(3000, "p4")))

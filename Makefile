@@ -2,7 +2,7 @@
 # installs what it needs (Python packages, Debian packages, mqload) and runs.
 #
 #   make run   [ARGS="--port 1884"]        start the broker (127.0.0.1:1883 by default)
-#   make test  [PYTEST_ARGS="-k foo -x"]   install test deps, run the suite
+#   make test  [PYTEST_ARGS="-k foo -x"]   install test deps, run the suite (2 workers; TEST_WORKERS=0: one)
 #   make bench [ARGS="--repeat 5"]         benchmark suite vs Mosquitto (~20 min)
 #   make bench-quick                       one pass of the main comparison (< 2 min)
 #   make bench-cluster                     one node vs two nodes through etcd (~2 min)
@@ -25,6 +25,8 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 
 ARGS        ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for make test (0: one process); files stay whole on a worker (conftest.py)
+TEST_WORKERS ?= 2
 
 # Debian packages the tests need, as CMD:PKG (the package is installed only if
 # CMD is missing). Add e.g. mosquitto:mosquitto, etcd:etcd-server,
@@ -104,7 +106,7 @@ endif
 test-deps: $(VENV)/.stamp-test debian-test-deps npm-test-deps
 
 test: test-deps
-	PATH="$(abspath $(NPM_PREFIX))/node_modules/.bin:$$PATH" WRENMQ_TEST_NO_SKIP=1 $(PY) -m pytest $(PYTEST_ARGS)
+	PATH="$(abspath $(NPM_PREFIX))/node_modules/.bin:$$PATH" WRENMQ_TEST_NO_SKIP=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # --- bench -------------------------------------------------------------------
 

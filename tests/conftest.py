@@ -393,3 +393,19 @@ def no_message(client, wait=0.5):
 
 
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+# With pytest-xdist (`make test` runs two workers): each test file stays on one worker, so
+# that its module fixtures (a cluster, an etcd) are made once; the files that start a JVM
+# (Spark) or a browser share one worker, so that no two of them run at once on the
+# machine's cores.
+_ONE_WORKER = {"spark": ("tests/pipeline/", "test_admin_logread.py"),
+               "browser": ("test_admin_dashboard.py",)}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        group = next((name for name, parts in _ONE_WORKER.items()
+                      if any(part in path for part in parts)), path)
+        item.add_marker(pytest.mark.xdist_group(group))

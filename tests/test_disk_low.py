@@ -1,12 +1,15 @@
 """[storage] min_free_bytes: a disk running low stops the broker taking new messages, not
-the broker. Real brokers writing to this machine's disk, real clients; the disk is made
-"low" by setting the line just under its free space, and freed again by deleting a file
-that was taking room.
+the broker. Real brokers writing to a disk of their own (a tmpfs the test mounts, so that
+no other process changes its free space meanwhile), real clients; the disk is made "low"
+by setting the line just under its free space, and freed again by deleting a file that
+was taking room.
 """
 
 import os
 import subprocess
 import time
+
+import pytest
 
 from mqtt_helpers import raw_connect, raw_next, rc_int, scrape, wait_for
 from conftest import subscribe, get_messages
@@ -22,9 +25,9 @@ def _free(path):
     return st.f_bavail * st.f_frsize
 
 
-def _filler(tmp_path, size=256 << 20):
+def _filler(directory, size=256 << 20):
     """A file holding `size` bytes of the disk (allocated, not written), to delete later."""
-    path = tmp_path / "filler"
+    path = directory / "filler"
     with open(path, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, size)
     return path
@@ -40,11 +43,22 @@ def _publish_acked(client, topic, payload, qos=1, timeout=5.0):
             return rc_int(rc)
 
 
-def _low_disk_broker(make_broker, tmp_path, margin, extra=""):
+@pytest.fixture
+def disk(tmp_path):
+    """A 512 MiB file system of the test's own (tmpfs; the tests run as root)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "wrenmq-test-disk", str(path)], check=True)
+    yield path
+    # (lazy: a broker the test did not stop may still hold files there; its memory goes with them)
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def _low_disk_broker(make_broker, directory, margin, extra=""):
     """A broker whose data directory is `margin` bytes above [storage] min_free_bytes."""
-    data = tmp_path / "data"
+    data = directory / "data"
     data.mkdir()
-    line = _free(tmp_path) - margin
+    line = _free(directory) - margin
     b = make_broker(f'{extra}[storage]\ndata_dir = "{data}"\nfsync = "interval"\nmin_free_bytes = {line}\n')
     return b, data
 
@@ -55,9 +69,9 @@ def _logged(data, private=False):
 
 
 def test_low_disk_refuses_qos12_records_nothing_and_takes_messages_again_once_freed(
-        make_broker, clients, raw_client, tmp_path):
-    filler = _filler(tmp_path)
-    b, data = _low_disk_broker(make_broker, tmp_path, 32 << 20)
+        make_broker, clients, raw_client, disk):
+    filler = _filler(disk)
+    b, data = _low_disk_broker(make_broker, disk, 32 << 20)
     router = b.broker.router
     watcher = clients(b.port, version=5)
     subscribe(watcher, "d/#", 0)
@@ -112,8 +126,8 @@ def test_low_disk_refuses_qos12_records_nothing_and_takes_messages_again_once_fr
     assert [int.from_bytes(p, "big") for _, p in logged] == acked + [10**6]
 
 
-def test_broker_started_on_a_low_disk_refuses_from_the_first_publish(make_broker, clients, raw_client, tmp_path):
-    b, data = _low_disk_broker(make_broker, tmp_path, -(64 << 20),  # already 64 MiB under the line
+def test_broker_started_on_a_low_disk_refuses_from_the_first_publish(make_broker, clients, raw_client, disk):
+    b, data = _low_disk_broker(make_broker, disk, -(64 << 20),  # already 64 MiB under the line
                                '[[listener]]\ntype = "metrics"\nport = 0\n')
     assert b.call(lambda: b.broker.router.disk_low)
     assert scrape(b.broker.addresses[1][1], "/health")[::2] == (200, '{"status": "disk_low"}\n')

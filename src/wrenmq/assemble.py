@@ -41,10 +41,12 @@ from .config import Config
 class Broker(core.Broker):
     """The assembled broker (`wrenmq.Broker`). `hooks` go behind the `[auth]` hook and the
     configuration's hooks; `extensions`, if given, replace the bridges of its `[[bridge]]`
-    tables (None: those bridges). ConfigError if a password, ACL or bridge TLS file cannot
-    be used, HookError if a `[[hook]]` cannot be loaded."""
+    tables (None: those bridges); `cluster`, if given, is the node's extension in place of
+    one made from `[cluster]` (the partitions' manager gives its own, build_node).
+    ConfigError if a password, ACL or bridge TLS file cannot be used, HookError if a
+    `[[hook]]` cannot be loaded."""
 
-    def __init__(self, config=None, hooks=(), extensions=None):
+    def __init__(self, config=None, hooks=(), extensions=None, cluster=None):
         config = config if config is not None else Config()
         auth = build_auth_hook(config)
         super().__init__(config, auth)
@@ -55,9 +57,11 @@ class Broker(core.Broker):
         if config.webhook:
             from .webhooks import Webhooks
             self.add_hook(Webhooks(config.webhook))
-        if config.cluster.enabled:
+        if cluster is None and config.cluster.enabled:
             from .cluster.extension import ClusterExtension
-            self.add_extension(ClusterExtension(config.cluster))
+            cluster = ClusterExtension(config.cluster)
+        if cluster is not None:
+            self.add_extension(cluster)
         if extensions is None:
             extensions = ()
             if config.bridge:
@@ -109,3 +113,17 @@ def load_hooks(cfg):
         except Exception as e:
             raise HookError(f"hook[{i}] {spec.module}: raised at start: {type(e).__name__}: {e}") from e
     return hooks
+
+
+def build_node(cfg):
+    """What `wrenmq serve` runs for `cfg`: the assembled Broker, or, with `[cluster]
+    replicas` > 1, the process-level manager of the replicated partitions (cluster/ha/),
+    which assembles that broker whenever the node leads its own partition (with the
+    cluster extension it gives). A `[[hook]]` that cannot be loaded is an error at once
+    either way."""
+    if cfg.cluster.enabled and cfg.cluster.replicas > 1:
+        from .cluster.ha.manager import Partitions
+
+        check_hooks(cfg)
+        return Partitions(cfg, lambda config, cluster: Broker(config, cluster=cluster))
+    return Broker(cfg)

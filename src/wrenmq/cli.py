@@ -61,12 +61,13 @@ def _serve(args):
 
 
 async def _run(cfg, log_handler=None):
-    from .assemble import Broker
+    from .assemble import build_node
     from .broker.hooks import HookError
 
     try:
-        # With the [auth] hook, the [[hook]]s, [cluster], the bridges, the admin listener.
-        broker = Broker(cfg)
+        # With the [auth] hook, the [[hook]]s, [cluster], the bridges, the admin listener;
+        # with [cluster] replicas > 1, the partitions' manager that runs that broker.
+        broker = build_node(cfg)
     except (ConfigError, HookError) as e:  # e.g. a password or ACL file that cannot be used
         log.error("cannot start: %s", e)
         return 2
@@ -82,7 +83,7 @@ async def _run(cfg, log_handler=None):
         def reload():
             if log_handler is not None:
                 reopen(log_handler)  # first: what the reload logs goes to the new file
-            broker.hooks.reload()
+            broker.reload()
         loop.add_signal_handler(signal.SIGHUP, reload)
     from .auth.commands import remove_pid_file, write_pid_file
     from .cluster import ClusterError

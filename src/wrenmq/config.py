@@ -350,6 +350,20 @@ class ClusterSection:
                             "cannot fill this one's memory): past it, what the commit log records "
                             "waits there and is replayed once the link drains or comes back; other "
                             "messages for that node are dropped and counted.", 65536)
+    replicas: int = _key(1, "Nodes that keep each node's commit log and sessions (docs/CLUSTER.md, high "
+                         "availability); 1: the node alone. More needs [storage] mode = \"disk\".", 1, 16)
+    min_insync: int = _key(1, "With replicas > 1: replicas (the leader included) that must hold a QoS 1/2 "
+                           "message durably before it is acknowledged; with fewer in sync such PUBLISHes "
+                           "are refused (MQTT 5: reason 0x83, 3.1.1: the connection is closed).", 1, 16)
+    replica_lag_ms: int = _key(10000, "With replicas > 1: a follower that has not caught up with its "
+                               "leader for this long leaves the in-sync set (never below min_insync "
+                               "members), and no longer counts as in sync for the refusal above.",
+                               100, 3_600_000)
+    replica_heartbeat_ms: int = _key(500, "With replicas > 1: a follower's fetch with nothing to read is "
+                                     "answered after this long (it carries the high watermark).", 10, 60_000)
+    replica_fetch_timeout_ms: int = _key(3000, "With replicas > 1: a follower sends its fetch again when "
+                                         "no answer came for this long (more than replica_heartbeat_ms).",
+                                         100, 600_000)
 
 
 @dataclass
@@ -636,7 +650,7 @@ def _check_tls_files(fail, section, flag, keys):
             fail(key, f"file not found: {value}")
 
 
-def _validate_cluster(src, c):
+def _validate_cluster(src, c, storage_mode):
     def fail(key, msg):
         raise ConfigError(f"{src}: cluster.{key}: {msg}")
 
@@ -662,6 +676,16 @@ def _validate_cluster(src, c):
     _check_tls_files(fail, c, "tls", ("certfile", "keyfile", "cafile"))
     if c.enabled and not c.advertise and c.bind in ("0.0.0.0", "::", ""):
         fail("advertise", f"required when bind is {c.bind!r} (the address other nodes connect to)")
+    if c.min_insync > c.replicas:
+        fail("min_insync", f"{c.min_insync} is more than replicas ({c.replicas})")
+    if c.replicas > 1:
+        if c.replica_fetch_timeout_ms <= c.replica_heartbeat_ms:
+            fail("replica_fetch_timeout_ms", f"must be more than replica_heartbeat_ms ({c.replica_heartbeat_ms})")
+        for needed, what in ((c.enabled, "a cluster (enabled = true)"), (storage_mode == "disk", "[storage] mode "
+                             "= \"disk\" (the replicas are copies of the commit log)"), (not c.tls, "plain links "
+                             "(tls = false: the replication port does not speak TLS yet)")):
+            if not needed:
+                fail("replicas", f"{c.replicas} needs {what}")
 
 
 _BRIDGE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -836,7 +860,7 @@ def validate(cfg):
         if (lst.port or lst.type == "unix") and key in seen:
             raise ConfigError(f"{src}: listener[{i}]: duplicate listener {lst.label}")
         seen.add(key)
-    _validate_cluster(src, cfg.cluster)
+    _validate_cluster(src, cfg.cluster, cfg.storage.mode)
     _validate_bridges(cfg)
     _validate_extensions(cfg)
     for f in cfg.log.topics:

@@ -87,11 +87,14 @@ class Broker:
         self._tasks = set()
         self._stopped = None
         self.running = False
+        # The store: opened by start() with [storage] mode = "disk", unless the caller gave
+        # one opened already (a replicated partition's, cluster/ha/), which start() starts.
         self.store = None
         self.cluster = None  # with [cluster]: the node (cluster/), set by its extension once joined
         self.failed = None
         # Output held until the epoch that produced it is durable: [epoch id, [(conn, bytes)]].
         self._held = collections.deque()
+        self._discarding = False  # stop(discard_held=True): held output is dropped, not waited for
         self._checkpoint_handle = None
         self._disk_handle = None
         self._accept = {}  # listener name -> connection_rate token bucket
@@ -116,7 +119,7 @@ class Broker:
         # started: a session whose client came back on another node meanwhile ends then,
         # without its will (cluster/membership.py).
         self.router.timers.on_change = None if early else self._on_timer
-        if self.config.storage.mode == "disk":
+        if self.config.storage.mode == "disk" or self.store is not None:
             self._open_store()
         joined = []  # (the cluster: no client publishes before its messages can reach the other nodes)
         try:
@@ -190,7 +193,12 @@ class Broker:
         from ..store.store import Store
 
         self.bans.open(os.path.join(os.path.abspath(self.config.storage.data_dir), "bans.json"))
-        store = Store(self.config, on_durable=self._on_durable, on_error=self._on_store_error)
+        store = self.store
+        if store is None:
+            store = Store(self.config, on_durable=self._on_durable, on_error=self._on_store_error)
+        else:
+            store.on_durable = self._on_durable
+            store.on_error = self._on_store_error
         store.on_pending = self._schedule_flush
         self.store = store
         persist = Persistence(self.router, store)
@@ -223,10 +231,17 @@ class Broker:
             log.info("%s has %d bytes free again: taking messages", store.data_dir, store.disk_free)
         self.router.set_disk_low(low)
 
-    async def stop(self):
-        """Stop accepting, tell 5.0 clients 0x8B (server shutting down), close everything."""
+    async def stop(self, reason=C.SERVER_SHUTTING_DOWN, discard_held=False):
+        """Stop accepting, tell 5.0 clients `reason` (0x8B, server shutting down), close
+        everything. `discard_held`: the output held for the store is never sent (a replicated
+        partition's leader that lost its leadership: what it held was not committed)."""
         if not self.running:
             return
+        if discard_held:
+            self._discarding = True  # (holding() is False from now on: nothing waits for the store)
+            self._held.clear()
+            for conn in list(self.connections):
+                conn.take_output()  # produced for records that are not committed: never sent
         self.running = False
         for server in self._servers:
             server.close()
@@ -238,7 +253,7 @@ class Broker:
             if h is not None:
                 h.cancel()
         for conn in list(self.connections):
-            conn.close(C.SERVER_SHUTTING_DOWN)
+            conn.close(reason)
         self._flush()
         for _ in range(100):
             if not self.connections and not self._held:
@@ -259,6 +274,10 @@ class Broker:
         if self._stopped is not None:
             self._stopped.set()
         log.info("broker stopped")
+
+    def reload(self):
+        """SIGHUP: every hook's on_reload (password and ACL files, TLS certificates...)."""
+        self.hooks.reload()
 
     async def __aenter__(self):
         return await self.start()
@@ -290,6 +309,8 @@ class Broker:
 
     def holding(self):
         """True while output must wait for the store (so closing must wait too)."""
+        if self._discarding:
+            return False
         store = self.store
         return bool(self._held) or (store is not None and store.must_hold)
 
@@ -311,7 +332,7 @@ class Broker:
                     # Nothing waits for this epoch: let a few turns share one hand-over.
                     self._seal_scheduled = True
                     self.loop.call_later(SEAL_DELAY, self._seal_later)
-            if hold or (self._held and dirty):
+            if (hold or (self._held and dirty)) and not self._discarding:
                 self._hold(eid or store.last_sealed, dirty)
                 return
         for conn in dirty:

@@ -14,7 +14,7 @@ import time
 from ..mqtt import constants as C
 from ..mqtt.acks import PINGRESP, puback, pubcomp, pubrec, pubrel
 from ..mqtt.codec import ConnectRefused, MQTTError, encode
-from ..mqtt.packets import Suback, Unsuback
+from ..mqtt.packets import Puback, Pubrec, Suback, Unsuback
 from ..mqtt.topics import topic_matches
 from .catchup import catch_up
 from .connect import ConnectTerms
@@ -59,6 +59,7 @@ class Router:
         self.cluster = None  # cluster.node.Cluster when [cluster] is on: other nodes' interest, links
         self._adopted = set()  # client ids of sessions handed over by another node, not yet stored here
         self.disk_low = False  # [storage] min_free_bytes crossed: no new messages (set_disk_low)
+        self.insync_low = False  # [cluster] min_insync not met: no new QoS 1/2 messages (set_insync_low)
         self.maximum_qos = config.broker.maximum_qos
         self.retain_available = config.broker.retain_available
         self.connect_terms = ConnectTerms(config)
@@ -384,6 +385,9 @@ class Router:
                 # without end): past it the connection closes, and the session's client
                 # releases them when it is back.
                 raise MQTTError(C.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")
+            if self.insync_low:
+                self._refuse_insync_low(session, qos, pid)
+                return
             if self.disk_low:
                 # The log could not keep it: refuse it rather than acknowledge it. 3.1.1 has
                 # no refusal; the client sends it again after the connection closes.
@@ -802,6 +806,24 @@ class Router:
         records, is rebuilt without the log or with it again."""
         self.disk_low = low
         self._matches.clear()
+
+    def set_insync_low(self, low):
+        """With [cluster] replicas > 1: fewer than min_insync replicas hold this node's log in
+        sync (`low`), or enough again. Meanwhile a QoS 1/2 PUBLISH is refused before it is
+        logged: nothing is acknowledged that is not replicated."""
+        self.insync_low = low
+
+    def _refuse_insync_low(self, session, qos, pid):
+        """MQTT 5: PUBACK / PUBREC 0x83 (implementation specific error: the PUBLISH is valid,
+        the server does not take it now), with a reason string if the client accepts one;
+        3.1.1 has no refusal: the connection closes and the client sends it again."""
+        self.stats.refused_insync += 1
+        if session.v5:
+            props = {"reason_string": "not enough in-sync replicas"} if session.request_problem_info else None
+            ack = (Puback if qos == 1 else Pubrec)(pid, C.IMPLEMENTATION_SPECIFIC_ERROR, props)
+            session.conn.send(encode(ack, C.MQTT5))
+        else:
+            session.conn.close(C.IMPLEMENTATION_SPECIFIC_ERROR)
 
     def publish_internal(self, topic, payload, qos=0, retain=False, properties=None, client=None):
         """Publish as the broker itself ($SYS, the embedding application), or on behalf of

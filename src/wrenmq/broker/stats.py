@@ -10,7 +10,7 @@ class Stats:
                  "pub_received", "pub_sent", "pub_dropped", "connects", "clients_maximum",
                  "denied_publish", "denied_subscribe", "denied_deliver", "expired", "rate_limited",
                  "refused_connections", "retained_refused", "sessions_refused", "refused_disk_low",
-                 "subscriptions_refused", "wills_early",
+                 "refused_insync", "subscriptions_refused", "wills_early",
                  "_logged")
 
     def __init__(self):

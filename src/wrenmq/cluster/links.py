@@ -231,6 +231,9 @@ class Links:
         # where it got to (it restarted), what its subscribers missed since is replayed.
         self._left = {}
         self._port = None  # with TLS: the port as the TLS acceptor sees it (net.tls.TLSPort)
+        # With [cluster] replicas > 1 the process owns the node's link port (cluster/ha/port.py)
+        # and hands this node's links over while its broker runs.
+        self.shared_port = None
         self._dirty = []  # peers with frames in `out`
         self._flush_scheduled = False
 
@@ -250,16 +253,31 @@ class Links:
             broker = cluster.broker
             self._port = TLSPort(f"cluster link port {cfg.bind}:{cfg.port}", self.tls_server,
                                  broker.config.limits.connect_timeout, broker.spawn)
+        services = cluster.services
+        if services is not None and services.link_port is not None:
+            self.shared_port = services.link_port
+            return self.shared_port.port
         self.server = await cluster.loop.create_server(self._accept, cfg.bind, cfg.port, start_serving=False)
         return self.server.sockets[0].getsockname()[1]
 
     async def serve(self):
         """Accept links (the node name is this node's now)."""
-        if not self.server.is_serving():
+        if self.shared_port is not None:
+            self.shared_port.serve_links(self)
+        elif not self.server.is_serving():
             await self.server.start_serving()
 
     def close_port(self):
-        self.server.close()
+        if self.shared_port is not None:
+            self.shared_port.stop_links(self)
+        else:
+            self.server.close()
+
+    def accept_link(self):
+        """The protocol of a link the shared port accepted (its TLS, if any, done there)."""
+        if len(self.inlinks) + self.handshakes >= MAX_INLINKS:
+            return _RefusedLink(self)
+        return InLink(self.cluster)
 
     def _accept(self):
         """The protocol of an accepted link socket. With TLS its handshake runs first, and
@@ -283,8 +301,8 @@ class Links:
             self._close_peer(peer)
         for link in list(self.inlinks):
             link.transport.abort()
-        if self.server is not None:
-            self.server.close()
+        if self.server is not None or self.shared_port is not None:
+            self.close_port()
 
     # --- the other nodes ----------------------------------------------------------------
 
@@ -309,6 +327,8 @@ class Links:
         self.heard.pop(name, None)
         if peer is not None:
             self._close_peer(peer)
+            if self.cluster.gate is not None:
+                self.cluster.gate.forget(peer)
             self._left[name] = peer.resume_from
             log.info("cluster: node %s left", name)
 
@@ -390,9 +410,8 @@ class Links:
     def go_live(self, peer, link):
         """The link has everything up to the log's end: the queued frames (not in the log)
         follow, and from now on messages go straight to it."""
-        t = link.transport
         if peer.queue:
-            t.writelines(peer.queue)
+            self.write(peer, link, peer.queue)
             peer.queue = []
             peer.queued = 0
         peer.up = True
@@ -441,7 +460,7 @@ class Links:
         if peer.up and peer.link is not None:
             self.append_out(peer, frame)
         elif self.linked(peer):
-            peer.link.transport.write(frame)
+            self.write(peer, peer.link, [frame])
         else:
             peer.queue.append(frame)
             peer.queued += len(frame)
@@ -456,10 +475,27 @@ class Links:
         peer.out.append(frame)
         peer.out_bytes += len(frame)
 
-    @staticmethod
-    def _refresh_backlog(peer):
+    def write(self, peer, link, frames, eid=None):
+        """Write `frames` on `link` (peer's) now, or with [cluster] replicas > 1 once the
+        epoch they follow (`eid`: the current one if None, 0 for committed records) is
+        committed (ha/gate.py)."""
+        gate = self.cluster.gate
+        if gate is not None:
+            gate.write(peer, link, frames, eid)
+        elif len(frames) == 1:
+            link.transport.write(frames[0])
+        else:
+            link.transport.writelines(frames)
+
+    def backlog_of(self, peer, link):
+        """What waits to go out on `peer`'s `link`: in its transport, and held for the HW."""
+        gate = self.cluster.gate
+        n = link.transport.get_write_buffer_size()
+        return n + gate.pending(peer) if gate is not None else n
+
+    def _refresh_backlog(self, peer):
         """The link's transport may have drained since the last write: ask it again."""
-        peer.backlog = peer.link.transport.get_write_buffer_size()
+        peer.backlog = self.backlog_of(peer, peer.link)
         return peer.backlog
 
     def _flush(self):
@@ -473,6 +509,10 @@ class Links:
             peer.out_bytes = 0
             link = peer.link
             if link is not None and not link.transport.is_closing():
+                if self.cluster.gate is not None:
+                    self.write(peer, link, out)
+                    peer.backlog = self.backlog_of(peer, link)
+                    continue
                 t = link.transport
                 t.write(b"".join(out) if len(out) > 1 else out[0])
                 peer.backlog = t.get_write_buffer_size()

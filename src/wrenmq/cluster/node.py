@@ -50,8 +50,19 @@ class Cluster:
     `routes`, `forwarding`, `replay`, `moves`, and `remote`, the other nodes' filters.
     """
 
-    def __init__(self, broker, cfg):
+    def __init__(self, broker, cfg, services=None):
         self.broker = broker
+        # With [cluster] replicas > 1: what the process's partitions manager offers this node
+        # (cluster/ha/services.py: the shared link port, commit gating, session claims that
+        # wait for a node being failed over); None otherwise.
+        self.services = services
+        # With replicas > 1: the frames to other nodes held until the HW passes what they
+        # follow (ha/gate.py); None otherwise.
+        self.gate = None
+        store = broker.store
+        if services is not None and store is not None and store.replicated:
+            from .ha.gate import CommitGate
+            self.gate = CommitGate(store)
         self.router = broker.router
         self.cfg = cfg
         self.name = cfg.name
@@ -98,7 +109,11 @@ class Cluster:
         self.loop = asyncio.get_running_loop()
         cfg = self.cfg
         port = await self.links.listen()
-        self.advertise = cfg.advertise or f"{cfg.bind}:{port}"
+        if cfg.advertise:
+            self.advertise = cfg.advertise
+        else:
+            host = self.services.advertise_host if self.services is not None else None
+            self.advertise = f"{host or cfg.bind}:{port}"
         if not self.node:
             from ..config import cluster_node_name
             config = self.broker.config
@@ -197,4 +212,5 @@ class Cluster:
             "$SYS/broker/cluster/takeovers": self.membership.takeovers,
             "$SYS/broker/cluster/sessions/handed_over": moves.handed_over,
             "$SYS/broker/cluster/sessions/taken_over": moves.taken_over,
+            **(self.services.sys_values(self.broker) if self.services is not None else {}),
         }

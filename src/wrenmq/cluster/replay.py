@@ -31,6 +31,9 @@ _REPLAY_SLICE = 100  # log records made into frames per loop turn by a replay
 _MARKS_EVERY = 1.0  # seconds between writes of how far this node got in each sender's log
 _MARKS_KEY = "cluster_applied"  # ... in the state database's meta table
 _GROUPS_KEPT = 100_000  # shared-group choices remembered per node, for its replays (GroupsSent)
+# With replicas > 1: records past the high watermark a replay reads ahead (they wait behind
+# the commit gate); with more uncommitted than this it waits for the HW instead.
+_UNCOMMITTED_READ = 10_000
 
 
 class GroupsSent:
@@ -171,7 +174,7 @@ class Replay:
         log it has, and `announced`, the etcd revision by which its filters are there):
         send it the retained messages this node holds, then replay from the log what it
         lacks. The caller makes the link live after, if it is still open."""
-        await self._send_retained(link)
+        await self._send_retained(peer, link)
         persist = self.persist
         if not link.transport.is_closing() and persist is not None:
             if known >= 0:
@@ -183,19 +186,24 @@ class Replay:
             if start >= persist.next_offset or await self._routes_known(peer, link, announced):
                 await self._replay(peer, link, start)
 
-    async def _send_retained(self, link):
+    async def _send_retained(self, peer, link):
         """The retained messages this node holds (not $SYS: each node has its own), a
         chunk per loop turn. Live messages for the peer wait in its queue meanwhile and
-        follow, so a retained message changed during the sync ends up as changed."""
+        follow, so a retained message changed during the sync ends up as changed. (With
+        replicas > 1 they go once the epoch they were taken in is committed: gate.py.)"""
         t = link.transport
         router = self.router
+        links = self.cluster.links
+        gate = self.cluster.gate
+        eid = gate.now() if gate is not None else None
         retained = list(router.retained.values())
         for i in range(0, len(retained), _SYNC_CHUNK):
             now = router.clock()
-            for msg in retained[i:i + _SYNC_CHUNK]:
-                if msg.topic.startswith("$SYS") or msg.expired(now):
-                    continue
-                t.write(F.encode_forward(F.publish_bytes(msg, now), F.SYNC, msg.client_id, msg.timestamp))
+            frames = [F.encode_forward(F.publish_bytes(msg, now), F.SYNC, msg.client_id, msg.timestamp)
+                      for msg in retained[i:i + _SYNC_CHUNK] if not msg.topic.startswith("$SYS")
+                      and not msg.expired(now)]
+            if frames:
+                links.write(peer, link, frames, eid)
             if t.is_closing():
                 return
             await asyncio.sleep(0)
@@ -239,16 +247,24 @@ class Replay:
         first = True
         sent = self._groups_sent_to(peer.name)  # (choices made while it replays are found as it goes)
         sent.forget_before(start)
+        links = self.cluster.links
+        gate = self.cluster.gate
         while True:
             if t.is_closing() or peer.link is not link:
                 return False
-            if t.get_write_buffer_size() > half:
+            if links.backlog_of(peer, link) > half:
                 await asyncio.sleep(0.01)
                 continue
             end = persist.next_offset
             if cursor >= end:
                 peer.resume_from = end
                 return True
+            # With replicas > 1 the replay reads what is committed; the records past the HW
+            # (a loop turn's worth, normally) go behind the gate, as live frames do.
+            committed = persist.store.hw if gate is not None else end
+            if gate is not None and cursor >= committed and end - committed > _UNCOMMITTED_READ:
+                await asyncio.sleep(0.01)
+                continue
             if cursor < persist.start_offset:
                 lost = persist.start_offset - cursor
                 self.lost += lost
@@ -279,7 +295,7 @@ class Replay:
                     if frame is not None:
                         frames.append(frame)
                 if frames:
-                    t.writelines(frames)
+                    links.write(peer, link, frames, 0 if cursor <= committed else None)
                     peer.replayed += len(frames)
                     self.replayed += len(frames)
                 peer.resume_from = cursor

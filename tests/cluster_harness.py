@@ -59,6 +59,7 @@ from chaos_checker import Report, check, expected_retained, retained_errors  # n
 from chaos_workload import Publisher, Subscriber, Workload, retained_state  # noqa: F401 (re-exported)
 from mqtt_helpers import wait_for
 from wrenmq.cluster import frames as F
+from wrenmq.cluster import replication_frames as RF
 from wrenmq.ports import free_port, wait_port
 
 ETCD = shutil.which("etcd")
@@ -268,15 +269,19 @@ def _peer_closed(sock):
 
 def hello_sender(head):
     """The node that opened a link, from the bytes it sent first: its name once the HELLO
-    frame is complete, None while it is not, ValueError if it is not a HELLO."""
+    frame is complete, None while it is not, ValueError if it is not a HELLO. (With
+    `replicas` > 1 a follower's replication connection comes to the same port: its HELLO is
+    replication_frames', binary, where a link's is JSON.)"""
     if len(head) < 5:
         return None
-    frames = F.FrameReader(4096).feed(head)
+    frames = F.FrameReader(8192).feed(head)
     if not frames:
         return None
     kind, body = frames[0]
     if kind != F.HELLO:
         raise ValueError(f"first frame of kind {kind}, not HELLO")
+    if body[:1] != b"{":
+        return RF.decode_hello(body).follower
     return F.decode_hello(body)[1]
 
 
@@ -389,7 +394,7 @@ class Network:
                         raise ValueError("closed before its HELLO")
                     head += data
                     src = hello_sender(head)
-            except (OSError, ValueError, F.FrameError):
+            except (OSError, ValueError):
                 _abort(sock)
                 return
             sock.settimeout(None)

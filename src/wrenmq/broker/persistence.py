@@ -149,6 +149,13 @@ class Persistence:
         self.store.op(S.SESSION_OFFLINE, (time.time(), session.expiry_interval, self._will_blob(session),
                                           cursor, session.client_id), durable=False)
 
+    def will_published(self, session):
+        """The session's will went out: a restart (or the node that takes its partition over)
+        must not publish it again. In the epoch of the will's record, so both or neither
+        survive a crash."""
+        if session.stored:
+            self.store.op(S.SESSION_WILL_DONE, (session.client_id,), False)
+
     def session_ended(self, session):
         if not session.stored:
             return

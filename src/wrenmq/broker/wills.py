@@ -101,3 +101,5 @@ class Wills:
             msg.expiry = router.clock() + interval
         log.info("publishing will of %s on %s", session.client_id, msg.topic)
         router.publish(msg)
+        if router.persist is not None:
+            router.persist.will_published(session)

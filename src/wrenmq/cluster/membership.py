@@ -501,6 +501,11 @@ class Membership:
         tx = etcd.transactions
         client_keys = f"{self.cluster.prefix}{CLIENTS}".encode()
         skip = len(client_keys)
+        # With replicas > 1 a client's registration names its session's partition, which
+        # outlives this process's lease: the broker hosted for it after a failover answers
+        # the claims (moves.py).
+        services = self.cluster.services
+        keep = services is not None and services.clients_without_lease
         while self._pending:
             batch = []
             size = 0
@@ -510,7 +515,8 @@ class Membership:
                 if batch and size > _TXN_BYTES:
                     break
                 batch.append((key, self._pending.pop(key)))
-            ops = [tx.put(k, v, lease=self.lease) if v is not None else tx.delete(k) for k, v in batch]
+            ops = [tx.put(k, v, lease=None if keep and k.startswith(client_keys) else self.lease)
+                   if v is not None else tx.delete(k) for k, v in batch]
             try:
                 _, responses = await etcd.transaction(compare=[], success=ops, failure=[])
             except BaseException:

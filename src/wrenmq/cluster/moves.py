@@ -81,17 +81,23 @@ class Moves:
         was nothing to take (or no answer within _HANDOVER_TIMEOUT)."""
         cluster = self.cluster
         peers = cluster.links.peers
-        if not peers or not cluster.membership.etcd_up:
+        services = cluster.services
+        if (not peers and services is None) or not cluster.membership.etcd_up:
             return False
         try:
             owner = await cluster.membership.client_node(cid)
         except (asyncio.TimeoutError, Exception) as e:
             log.warning("cluster: cannot ask etcd where %s's session is (%s); it starts anew here", cid, e)
             return False
-        if owner is None:
+        if owner is None or owner == cluster.node:
             return False
         peer = peers.get(owner)
-        if owner == cluster.node or peer is None:
+        if services is not None and (peer is None or not cluster.links.linked(peer)):
+            # With replicas > 1 a session's node is a partition: if its broker is not there, it
+            # is being failed over (or handed back), and comes back within the lease and a
+            # few seconds, hosted elsewhere: the CONNECT waits for it.
+            peer = await self._linked(owner, services.claim_wait)
+        if peer is None:
             return False
         rid = next(self._ids)
         fut = cluster.loop.create_future()
@@ -113,6 +119,20 @@ class Moves:
                  cid, owner, len(session.subscriptions), moved,
                  f"; {dropped} beyond [cluster] link_buffer not moved" if dropped else "")
         return True
+
+    async def _linked(self, node, timeout):
+        """`node`'s peer once its link is up (None after `timeout` seconds)."""
+        links = self.cluster.links
+        deadline = self.cluster.loop.time() + timeout
+        while True:
+            peer = links.peers.get(node)
+            if peer is not None and links.linked(peer):
+                return peer
+            if self.cluster.loop.time() >= deadline:
+                log.warning("cluster: node %s, which holds a session asked for, did not come back within %.0f s",
+                            node, timeout)
+                return None
+            await asyncio.sleep(0.1)
 
     def session_asked(self, requester, body):
         """SESSION_ASK from node `requester`: hand the session over (or say there is none)."""

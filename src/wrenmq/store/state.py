@@ -94,12 +94,14 @@ OUT_DELETE = "DELETE FROM outgoing WHERE client_id=? AND log_offset=?"
 OUT_GC = "DELETE FROM outgoing WHERE client_id=? AND state=2 AND log_offset<?"
 OUT_DELETE_QOS1 = "DELETE FROM outgoing WHERE qos=1 AND shared=0"
 META_SET = "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)"
+SESSION_WILL_DONE = "UPDATE sessions SET will=NULL WHERE client_id=?"
 
 # The statements a state record may name, by their index here: the ids are written into
 # replicated logs, so an entry is never removed or moved, and a new one goes at the end.
 STATEMENTS = (SESSION_UPSERT, SESSION_OFFLINE, SESSION_CURSOR, SESSION_DELETE, SUBS_DELETE_ALL,
               QOS2_IN_DELETE_ALL, OUT_DELETE_ALL, SUB_UPSERT, SUB_DELETE, RETAINED_SET, RETAINED_DELETE,
-              QOS2_IN_ADD, QOS2_IN_DELETE, OUT_SET, OUT_DELETE, OUT_GC, OUT_DELETE_QOS1, META_SET)
+              QOS2_IN_ADD, QOS2_IN_DELETE, OUT_SET, OUT_DELETE, OUT_GC, OUT_DELETE_QOS1, META_SET,
+              SESSION_WILL_DONE)
 STATEMENT_IDS = {sql: i for i, sql in enumerate(STATEMENTS)}
 PARAM_COUNTS = tuple(sql.count("?") for sql in STATEMENTS)
 STATE_VERSION = 1  # the first byte of a state record's payload

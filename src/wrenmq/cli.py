@@ -164,6 +164,16 @@ def _cluster_status(args):
     return status_command(cfg, args.json)
 
 
+def _cluster_reassign(args):
+    try:
+        cfg = load(args.config)
+    except ConfigError as e:
+        print(f"wrenmq: {e}", file=sys.stderr)
+        return 2
+    from .cluster.status import reassign_command
+    return reassign_command(cfg, args.lost, args.new)
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="wrenmq", description="MQTT broker with a durable commit log")
     p.add_argument("--version", action="version", version=f"wrenmq {__version__}")
@@ -196,6 +206,12 @@ def build_parser():
     ks.add_argument("--config", metavar="FILE", help="TOML configuration file (its [cluster] section)")
     ks.add_argument("--json", action="store_true", help="print JSON")
     ks.set_defaults(func=_cluster_status)
+    kr = ksub.add_parser("reassign", help="move a lost node's partition replicas to another node "
+                                          "([cluster] replicas > 1)")
+    kr.add_argument("lost", help="the node lost for good (it must not be running)")
+    kr.add_argument("new", help="the node that takes its replicas (running)")
+    kr.add_argument("--config", metavar="FILE", help="TOML configuration file (its [cluster] section)")
+    kr.set_defaults(func=_cluster_reassign)
 
     from .bridge.status import add_parser as add_bridge_parser
     add_bridge_parser(sub)

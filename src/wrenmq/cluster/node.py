@@ -142,6 +142,9 @@ class Cluster:
 
     async def stop(self):
         """Leave at once (revoke the lease: the others drop this node's keys now)."""
+        if self.gate is not None:
+            # (What waits for the HW, a session handed over say, goes before the links close.)
+            await self.gate.drained(5.0)
         self.membership.halt()
         self.router.cluster = None
         self.replay.stop()

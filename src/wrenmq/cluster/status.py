@@ -37,19 +37,24 @@ async def _read(cfg, prefix):
 
 async def read_status(cfg, asking=None):
     """({node: {"link", "etcd", "filters", "shared", "clients"}}, the view of node `asking`
-    of its links (linkview's JSON) or None, the etcd endpoint read through) from etcd (cfg:
-    a [cluster] section)."""
+    of its links (linkview's JSON) or None, the etcd endpoint read through, {partition: its
+    row} with [cluster] replicas > 1 (ha/tools.py)) from etcd (cfg: a [cluster] section)."""
     prefix = f"/wrenmq/{cfg.name}/"
     got, endpoint = await _read(cfg, prefix)
     nodes = {}
     view = None
     used = {}  # node -> the etcd endpoint its session uses, as its view of its links says
+    from .ha.tools import partitions_from
+    partitions, _ = partitions_from([(kv.key.decode("utf-8", "replace"), kv.value, kv.mod_revision,
+                                      kv.create_revision) for kv in got], cfg.name)
 
     def node(name):
         return nodes.setdefault(name, {"link": None, "etcd": None, "filters": 0, "shared": 0, "clients": 0})
 
     for kv in got:
         rest = kv.key.decode("utf-8", "replace")[len(prefix):]
+        if rest.startswith("ha/"):
+            continue  # (the partitions' keys: above)
         if rest.startswith(NODES):
             try:
                 node(rest[len(NODES):])["link"] = json.loads(kv.value)["link"]
@@ -75,7 +80,7 @@ async def read_status(cfg, asking=None):
                 view = seen
     for name, v in nodes.items():
         v["etcd"] = used.get(name)
-    return nodes, view, endpoint
+    return nodes, view, endpoint, partitions
 
 
 def _seen(view, name, asking, now):
@@ -106,7 +111,7 @@ def status_command(cfg, as_json=False):
 
     asking = cluster_node_name(cfg)
     try:
-        nodes, view, endpoint = asyncio.run(read_status(cfg.cluster, asking))
+        nodes, view, endpoint, partitions = asyncio.run(read_status(cfg.cluster, asking))
     except ClusterError as e:
         print(f"wrenmq: cluster {cfg.cluster.name}: {e}")
         return 1
@@ -119,7 +124,8 @@ def status_command(cfg, as_json=False):
         v["state_for"] = None if since is None else round(since, 1)
     if as_json:
         print(json.dumps({"cluster": cfg.cluster.name, "seen_from": asking if view is not None else None,
-                          "etcd": endpoint, "nodes": nodes}, indent=1, sort_keys=True))
+                          "etcd": endpoint, "nodes": nodes, "partitions": partitions}, indent=1,
+                         sort_keys=True))
         return 0
     live = sorted(n for n, v in nodes.items() if v["link"])
     others = [e for e in cfg.cluster.etcd if e != endpoint]
@@ -142,4 +148,39 @@ def status_command(cfg, as_json=False):
         heard = "-" if name == asking or view is None else _heard_text(v["state"], v["heard_ago"], silent_after)
         print(f"{name:<24} {link:<22} {v['etcd'] or '-':<22} {state:<18} {heard:<12} {v['filters']:>8} "
               f"{v['shared']:>7} {v['clients']:>8}")
+    if partitions:
+        from .ha.tools import print_partitions
+        print_partitions(partitions)
     return 0
+
+
+def reassign_command(cfg, lost, new):
+    """`wrenmq cluster reassign LOST NEW`: 0 if every partition LOST was a replica of moved."""
+    from .ha.tools import reassign
+
+    async def run():
+        # (The first member that answers and serves; the transactions compare each record's
+        # revision, so a reassign that failed half way is run again as it is.)
+        session = etcd_session(cfg.cluster)
+        try:
+            await session.connect()
+        except Exception as e:
+            await session.close()
+            raise ClusterError(f"cannot reach etcd at {', '.join(cfg.cluster.etcd)}: "
+                               f"{etcd_failure(cfg.cluster, e)}") from None
+        try:
+            return await reassign(session, cfg.cluster.name, lost, new)
+        finally:
+            await session.close()
+
+    try:
+        done = asyncio.run(run())
+    except ClusterError as e:
+        print(f"wrenmq: cluster {cfg.cluster.name}: {e}")
+        return 1
+    if not done:
+        print(f"node {lost} is a replica of no partition in cluster {cfg.cluster.name}")
+        return 1
+    for p, ok, what in done:
+        print(f"partition {p}: {'moved' if ok else 'not moved'}: {what}")
+    return 0 if all(ok for _, ok, _ in done) else 1

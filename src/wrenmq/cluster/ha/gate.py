@@ -17,6 +17,7 @@ only behind what was held before it. Without replication (`[cluster] replicas = 
 gate exists and links write as before.
 """
 
+import asyncio
 import collections
 
 
@@ -88,6 +89,19 @@ class CommitGate:
                 else:
                     del self.held[name]
                     del self.held_bytes[name]
+
+    async def drained(self, timeout):
+        """Until nothing is held (the HW passed it all) or `timeout` seconds: a broker that
+        stops cleanly writes what it held before its links close."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.held and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+
+    def discard(self):
+        """The leadership is over: what is held was never committed and is never sent."""
+        self.held.clear()
+        self.held_bytes.clear()
 
     def forget(self, peer):
         """The peer left: nothing held for it is sent."""

@@ -271,8 +271,13 @@ class Leading:
             await asyncio.sleep(0.05)
         broker = self.broker
         if broker is not None and self.store_running:
-            self.store_running = False
+            cluster = broker.cluster
+            if discard and cluster is not None and cluster.gate is not None:
+                cluster.gate.discard()
+            # A clean stop goes on committing while the broker stops (what it holds, for its
+            # clients and for the other nodes, goes out as the HW passes it).
             await broker.stop(C.USE_ANOTHER_SERVER if discard else C.SERVER_SHUTTING_DOWN, discard_held=discard)
+            self.store_running = False
             self.store_open = False
             self.broker = None
         if discard or self.state != "handing":

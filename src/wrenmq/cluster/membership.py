@@ -175,7 +175,7 @@ class Membership:
                 batch.append((cid, key, revision))
             ok, responses = await etcd.transaction(
                 compare=[tx.mod(key) == revision for _, key, revision in batch],
-                success=[tx.put(key, me, lease=self.lease) for _, key, _ in batch],
+                success=[tx.put(key, me, lease=self._client_lease()) for _, key, _ in batch],
                 failure=[tx.get(key) for _, key, _ in batch])
             if ok:
                 written = _written_at(responses)
@@ -194,6 +194,14 @@ class Membership:
                     del expect[cid]
                     if self._still_held(cid, held):
                         self._ended_elsewhere(held[cid], found[0][0].decode("utf-8", "replace"))
+
+    def _client_lease(self):
+        """The lease of this node's `clients/<client id>` keys: its own, or none with
+        [cluster] replicas > 1, where a client's registration names its session's partition,
+        which outlives this process's lease (the broker hosted for it after a failover
+        answers the claims: moves.py)."""
+        services = self.cluster.services
+        return None if services is not None and services.clients_without_lease else self.lease
 
     def _still_held(self, cid, held):
         """Client `cid`'s session is still the one `_register_held` found, and its client
@@ -501,11 +509,7 @@ class Membership:
         tx = etcd.transactions
         client_keys = f"{self.cluster.prefix}{CLIENTS}".encode()
         skip = len(client_keys)
-        # With replicas > 1 a client's registration names its session's partition, which
-        # outlives this process's lease: the broker hosted for it after a failover answers
-        # the claims (moves.py).
-        services = self.cluster.services
-        keep = services is not None and services.clients_without_lease
+        client_lease = self._client_lease()
         while self._pending:
             batch = []
             size = 0
@@ -515,7 +519,7 @@ class Membership:
                 if batch and size > _TXN_BYTES:
                     break
                 batch.append((key, self._pending.pop(key)))
-            ops = [tx.put(k, v, lease=None if keep and k.startswith(client_keys) else self.lease)
+            ops = [tx.put(k, v, lease=client_lease if k.startswith(client_keys) else self.lease)
                    if v is not None else tx.delete(k) for k, v in batch]
             try:
                 _, responses = await etcd.transaction(compare=[], success=ops, failure=[])

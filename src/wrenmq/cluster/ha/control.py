@@ -26,7 +26,7 @@ import json
 import logging
 import time
 
-from .. import RETRY, ClusterError, etcd_client, etcd_failure
+from .. import ClusterError, etcd_failure, etcd_session
 from .. import replication_control as RC
 
 log = logging.getLogger("wrenmq.cluster.ha")
@@ -54,7 +54,9 @@ class Control:
     revision of its key (the nodes taking part now); `addresses`: node -> its link port's
     address; `logs`: partition -> log id; `status`: partition -> the leader's figures.
     `on_change()` is called (on the loop) whenever any of them changes, and
-    `on_incarnation()` when this process registered anew (its lease ran out)."""
+    `on_incarnation()` when this process registered anew (its lease ran out). Its etcd is
+    a Session over every `[cluster] etcd` endpoint: when the member in use is lost, it
+    goes on through the next one, its lease alive if that takes less than its TTL."""
 
     def __init__(self, cfg, node, advertise, on_change, on_incarnation):
         self.cfg = cfg
@@ -64,7 +66,6 @@ class Control:
         self.on_change = on_change
         self.on_incarnation = on_incarnation
         self.etcd = None
-        self.endpoint = None
         self.lease = None
         self.incarnation = None
         self.valid_until = float("-inf")  # monotonic time until which the lease surely holds
@@ -83,22 +84,14 @@ class Control:
     async def start(self):
         """Reach etcd, take a lease, register, read everything; ClusterError if that fails."""
         cfg = self.cfg
-        last = None
-        for endpoint in cfg.etcd:
-            client = None
-            try:
-                client = etcd_client(cfg, endpoint)
-                await client.connect()
-                await client.status()
-                self.etcd, self.endpoint = client, endpoint
-                break
-            except Exception as e:
-                last = e
-                if client is not None:
-                    await client.close()
-        if self.etcd is None:
+        session = etcd_session(cfg)
+        try:
+            await session.connect()
+        except Exception as e:
+            await session.close()
             raise ClusterError(f"cannot reach etcd at {', '.join(cfg.etcd)} ([cluster] etcd): "
-                               f"{etcd_failure(cfg, last)}")
+                               f"{etcd_failure(cfg, e)}") from None
+        self.etcd = session
         await self._register()
         await self._read_all()
         self._main = asyncio.get_running_loop().create_task(self._run())
@@ -143,8 +136,7 @@ class Control:
 
     async def _refresh(self):
         sent = time.monotonic()
-        reply = await self.lease.refresh()
-        ttl = getattr(reply[0] if isinstance(reply, list) and reply else reply, "TTL", 0)
+        ttl = await self.etcd.keep_alive(self.lease)
         if ttl <= 0:
             raise ConnectionError("lease expired")
         self.valid_until = max(self.valid_until, sent + ttl)
@@ -200,27 +192,29 @@ class Control:
             await self._rejoin()
 
     async def _rejoin(self):
-        attempt = 0
-        while not self.stopping:
-            await asyncio.sleep(RETRY[min(attempt, len(RETRY) - 1)])
-            attempt += 1
-            try:
-                alive = self.lease is not None and (await self.lease.remaining_ttl()) > 0
-                if not alive:
-                    log.warning("cluster: partitions: this process's lease ran out; registering again")
-                    self.incarnation = None
-                    self.on_incarnation()
-                    await self._register()
-                    self.on_incarnation()
-                await self._read_all()
-                self.etcd_up = True
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                if attempt in (1, 10) or attempt % 60 == 0:
-                    log.warning("cluster: partitions: rejoining through etcd failed (%s: %s); retrying",
-                                type(e).__name__, e)
+        """Back to etcd through the next endpoint each attempt, with a backoff: `_resume`."""
+        attempts = await self.etcd.recover(self._resume, lambda: self.stopping,
+                                           "cluster: partitions: rejoining through etcd")
+        if attempts:
+            log.info("cluster: partitions: etcd session back through %s (after %d attempt(s))",
+                     self.etcd.endpoint, attempts)
+
+    async def _resume(self):
+        """On the member just reached: keep the lease alive there at once (the switch may
+        have taken most of its TTL) or, if it ran out, register anew (a new incarnation);
+        then read everything again."""
+        sent = time.monotonic()
+        ttl = await self.etcd.keep_alive(self.lease) if self.lease is not None else 0
+        if ttl > 0:
+            self.valid_until = max(self.valid_until, sent + ttl)
+        else:
+            log.warning("cluster: partitions: this process's lease ran out; registering again")
+            self.incarnation = None
+            self.on_incarnation()
+            await self._register()
+            self.on_incarnation()
+        await self._read_all()
+        self.etcd_up = True
 
     async def _watch_and_keep_alive(self):
         watch = await self.etcd.watch_prefix(self.prefix.encode(), start_revision=self.revision + 1)

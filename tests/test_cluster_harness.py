@@ -294,12 +294,13 @@ def test_kill9_with_failover_the_restarted_node_takes_no_client_back(cluster):
 
 
 def test_without_replication_a_node_lost_for_good_loses_acknowledged_messages(cluster):
-    # TODAY'S LIMIT (issue 33): with [cluster] replicas = 1, a node's sessions live on its
-    # disk alone. Its data dir deleted and an empty node started under its name, its
-    # clients reconnect to the other nodes (clean start 0), find no session there
-    # (session present 0: the node that held it does not answer) and its subscribers miss
-    # what was acknowledged before they subscribed again. The checker must say so. With
-    # replication (replicas 3, min_insync 2) this becomes a test that nothing is lost.
+    # The limit of [cluster] replicas = 1: a node's sessions live on its disk alone. Its
+    # data dir deleted and an empty node started under its name, its clients reconnect to
+    # the other nodes (clean start 0), find no session there (session present 0: the node
+    # that held it does not answer) and its subscribers miss what was acknowledged before
+    # they subscribed again. The checker must say so. With replicas 3 / min_insync 2 the
+    # same scenario loses nothing (test_ha_failover.py,
+    # test_with_replication_a_node_lost_for_good_loses_nothing_acknowledged).
     cl = cluster()
 
     def lose_b():

@@ -78,7 +78,8 @@ class Moves:
     async def claim(self, cid):
         """Before a CONNECT with clean start 0 whose session is not here: ask the node
         that holds it (`clients/<cid>`) to hand it over, and take it in. False if there
-        was nothing to take (or no answer within _HANDOVER_TIMEOUT)."""
+        was nothing to take (or no answer within _HANDOVER_TIMEOUT; with replicas > 1,
+        `_ask_partition`)."""
         cluster = self.cluster
         peers = cluster.links.peers
         services = cluster.services
@@ -92,26 +93,13 @@ class Moves:
         if owner is None or owner == cluster.node:
             return False
         peer = peers.get(owner)
-        if services is not None and (peer is None or not cluster.links.linked(peer)):
-            # With replicas > 1 a session's node is a partition: if its broker is not there, it
-            # is being failed over (or handed back), and comes back within the lease and a
-            # few seconds, hosted elsewhere: the CONNECT waits for it.
-            peer = await self._linked(owner, services.claim_wait)
-        if peer is None:
-            return False
-        rid = next(self._ids)
-        fut = cluster.loop.create_future()
-        self._asks[rid] = (fut, cid)
-        cluster.links.send_control(peer, F.encode_session_ask(rid, cid))
-        try:
-            taken = await asyncio.wait_for(fut, _HANDOVER_TIMEOUT)
-        except asyncio.TimeoutError:
-            log.warning("cluster: node %s did not hand %s's session over within %.0f s; it starts anew here",
-                        owner, cid, _HANDOVER_TIMEOUT)
-            return False
-        finally:
-            self._asks.pop(rid, None)
-        if taken is None:
+        if services is None:
+            if peer is None:
+                return False
+            taken = await self._ask(peer, owner, cid, _HANDOVER_TIMEOUT)
+        else:
+            taken = await self._ask_partition(owner, cid, services.claim_wait)
+        if not taken:  # (False: no answer in time; None: no session there)
             return False
         session, moved, dropped = taken
         self.taken_over += 1
@@ -119,6 +107,60 @@ class Moves:
                  cid, owner, len(session.subscriptions), moved,
                  f"; {dropped} beyond [cluster] link_buffer not moved" if dropped else "")
         return True
+
+    async def _ask(self, peer, owner, cid, timeout):
+        """SESSION_ASK `peer` (node `owner`) for `cid`'s session: its answer (None: no
+        session there), or False after `timeout` seconds."""
+        cluster = self.cluster
+        rid = next(self._ids)
+        fut = cluster.loop.create_future()
+        self._asks[rid] = (fut, cid)
+        cluster.links.send_control(peer, F.encode_session_ask(rid, cid))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            log.warning("cluster: node %s did not hand %s's session over within %.0f s; it starts anew here",
+                        owner, cid, timeout)
+            return False
+        finally:
+            self._asks.pop(rid, None)
+
+    async def _ask_partition(self, owner, cid, timeout):
+        """With [cluster] replicas > 1, `owner` is a partition: its broker may be being
+        failed over or handed back (it comes back within the lease and a few seconds,
+        elsewhere), and its answer, like all it sends, goes once its high watermark has
+        passed the session's removal (ha/gate.py), which a leader that has just taken over
+        may take seconds to reach. So the ask waits up to `timeout` seconds for a link to
+        the partition's broker, and for its answer as long as that link stays up (an
+        answer dropped for being late would lose the session: its old node has removed
+        it); a link that goes before the answer came is asked again through the next."""
+        cluster = self.cluster
+        links = cluster.links
+        deadline = cluster.loop.time() + timeout
+        while True:
+            peer = await self._linked(owner, deadline - cluster.loop.time())
+            if peer is None:
+                return False
+            link = peer.link
+            rid = next(self._ids)
+            fut = cluster.loop.create_future()
+            self._asks[rid] = (fut, cid)
+            links.send_control(peer, F.encode_session_ask(rid, cid))
+            try:
+                while not fut.done():
+                    if cluster.loop.time() >= deadline:
+                        log.warning("cluster: node %s did not hand %s's session over within %.0f s; it starts "
+                                    "anew here", owner, cid, timeout)
+                        return False
+                    if links.peers.get(owner) is not peer or peer.link is not link or not links.linked(peer):
+                        break  # (the answer cannot come over that link any more: ask again)
+                    await asyncio.wait([fut], timeout=0.1)
+            finally:
+                self._asks.pop(rid, None)
+            if fut.done():
+                return fut.result()
+            log.info("cluster: the link to node %s went before it answered for %s's session; asking again",
+                     owner, cid)
 
     async def _linked(self, node, timeout):
         """`node`'s peer once its link is up (None after `timeout` seconds)."""

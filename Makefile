@@ -12,6 +12,7 @@
 #   make screenshots                       docs/dashboard*.png from a broker under load (~1.5 min) 
 #   make sim   [SEEDS=5000] [SEED=n]       the replication simulator: many seeds, or replay one
 #   make chaos [ROUNDS=3] [SEED=n]         faults on a 3-node cluster under load: a table per fault
+#                                          (ARGS="--replicas 3": replicated, plus a node lost for good)
 #   make demo  [ARGS="--devices 50"]       broker + simulated fleet + Spark jobs, for a minute
 #   make clean                             remove .venv, .bench and build caches (not data)
 

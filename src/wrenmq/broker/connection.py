@@ -15,6 +15,7 @@ reason, a refusing CONNACK) even while it is still sending.
 
 import asyncio
 import logging
+import socket
 from time import monotonic
 
 from ..mqtt import constants as C
@@ -669,10 +670,35 @@ class Connection(asyncio.Protocol):
             adopted = await cluster.claim(pkt.client_id)
         except Exception:
             log.exception("taking %s's session over from another node failed", pkt.client_id)
+        if not self.closing and self._client_left():
+            # (Its registration, newer than that of the connection it opened since, would
+            # take the client id, and the session, from that live connection.)
+            log.info("client %s closed its connection while its session was being claimed from another node",
+                     pkt.client_id)
+            self.abort()
         if not self.closing:
             self._accept(pkt, auth_props)
         elif adopted:
             self.router.park_adopted(pkt.client_id)  # the client left meanwhile
+
+    def _client_left(self):
+        """Whether the client has closed its end while reading was paused (a CONNECT it
+        gave up waiting for, its session being claimed, before it connected elsewhere): a
+        peek at the socket, which takes nothing from it. False when it cannot be told (a
+        TLS or WebSocket client's close comes with data first)."""
+        transport = self.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None:
+            return False
+        try:
+            with sock.dup() as s:
+                return s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (AttributeError, TypeError, ValueError):
+            return False
+        except OSError:
+            return True  # (reset by the client)
 
     def _accept(self, pkt, auth_props):
         """Authenticated (and any session on another node handed over): the router's turn."""

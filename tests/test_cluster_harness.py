@@ -17,7 +17,6 @@ import pytest
 
 from chaos_checker import PublisherLog, SubscriberLog, check, unavailability
 from cluster_harness import Cluster, EtcdCluster, Network, under_load
-from conftest import paho_client
 from mqtt_helpers import drain, publish, sub, uid, wait_for
 from wrenmq.cluster import frames as F
 
@@ -43,21 +42,6 @@ def cluster(tmp_path, etcd3):
     yield factory
     for c in made:
         c.close()
-
-
-@pytest.fixture
-def clients():
-    made = []
-
-    def factory(port, **kw):
-        c = paho_client(port, **kw)
-        made.append(c)
-        return c
-
-    yield factory
-    for c in made:
-        c.disconnect()
-        c.loop_stop()
 
 
 def received(client, n, timeout=10.0):

@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from conftest import paho_client
 from ha_helpers import Etcd, HACluster
 from mqtt_helpers import drain, publish, raw_connect, raw_next, sub, uid, wait_for
 from wrenmq.mqtt import constants as C
@@ -40,24 +39,6 @@ def ha(tmp_path, etcd):
     yield factory
     for cl in made:
         cl.close()
-
-
-@pytest.fixture
-def clients():
-    made = []
-
-    def factory(port, **kw):
-        c = paho_client(port, **kw)
-        made.append(c)
-        return c
-
-    yield factory
-    for c in made:
-        try:
-            c.disconnect()
-        except Exception:
-            pass
-        c.loop_stop()
 
 
 def state_tables(path):

@@ -1,8 +1,8 @@
 """Real `wrenmq serve` nodes with `[cluster] replicas` > 1 over a real etcd, for the HA tests.
 
 `HACluster(tmp, etcd, nodes="abc", replicas=3, min_insync=2)` writes each node's file
-(disk storage, fsync always, a metrics listener, short leases) and starts, kills,
-restarts, wipes, pauses and resumes its processes; `records()` and `status()` read the
+(disk storage, fsync always, a metrics listener, with `admin=True` an admin listener,
+short leases) and starts, kills, restarts, wipes, pauses and resumes its processes; `records()` and `status()` read the
 partitions' records and their leaders' figures from etcd; `log_records(node, partition)`
 reads a partition's copy on a node's disk.
 """
@@ -67,6 +67,7 @@ class Node:
         self.name = name
         self.port = free_port()
         self.metrics_port = free_port()
+        self.admin_port = free_port() if cluster.admin else None
         self.link_port = free_port()
         self.data_dir = cluster.tmp / f"data-{name}"
         self.config_path = cluster.tmp / f"{name}.toml"
@@ -80,7 +81,9 @@ class Node:
                 "secret": "ha-secret", "lease_ttl": c.lease_ttl, "etcd_timeout": 2.0, "replicas": c.replicas,
                 "min_insync": c.min_insync, "replica_lag_ms": c.lag_ms, "replica_heartbeat_ms": 200,
                 "replica_fetch_timeout_ms": 1500, **c.extra}
-        return (f"[[listener]]\nbind = \"127.0.0.1\"\nport = {self.port}\n"
+        admin = "" if self.admin_port is None else (
+            f"[[listener]]\ntype = \"admin\"\nbind = \"127.0.0.1\"\nport = {self.admin_port}\nanonymous = \"read\"\n")
+        return (f"[[listener]]\nbind = \"127.0.0.1\"\nport = {self.port}\n{admin}"
                 f"[[listener]]\ntype = \"metrics\"\nbind = \"127.0.0.1\"\nport = {self.metrics_port}\n"
                 f"[storage]\ndata_dir = {json.dumps(str(self.data_dir))}\nfsync = \"always\"\n"
                 f"[sys]\ninterval = 0.5\n[logging]\nlevel = \"info\"\n{c.toml}"
@@ -155,7 +158,7 @@ class Node:
 
 class HACluster:
     def __init__(self, tmp, etcd, nodes="abc", replicas=3, min_insync=2, lease_ttl=3, lag_ms=2000, toml="",
-                 **extra):
+                 admin=False, **extra):
         self.tmp = Path(tmp)
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.etcd = etcd
@@ -167,6 +170,7 @@ class HACluster:
         self.lag_ms = lag_ms
         self.toml = toml
         self.extra = extra
+        self.admin = admin  # each node with an admin listener (`admin_port`) anyone may read
         self.nodes = {n: Node(self, n) for n in nodes}
 
     def __getitem__(self, name):

@@ -104,10 +104,12 @@ async def committed(leader, hw):
     await until(lambda: leader.applied_through >= hw, what="the leader applied")
 
 
-def test_the_replica_state_equals_the_leaders_after_both_apply_through_the_same_hw(tmp_path):
+@pytest.mark.parametrize("fsync", ["always", "never"])
+def test_the_replica_state_equals_the_leaders_after_both_apply_through_the_same_hw(tmp_path, fsync):
     async def main():
         loop = asyncio.get_running_loop()
-        leader = ReplicatedStore(config(tmp_path / "a", extra="[log]\nsegment_bytes = 4096\n"), leader_epoch=2)
+        leader = ReplicatedStore(config(tmp_path / "a", fsync, extra="[log]\nsegment_bytes = 4096\n"),
+                                 leader_epoch=2)
         leader.start(loop)
         ends = []
         for i in range(12):
@@ -115,15 +117,16 @@ def test_the_replica_state_equals_the_leaders_after_both_apply_through_the_same_
         assert len(leader.log.segments) >= 2
         rdir = replica_dir(tmp_path / "b", leader.node_id)
         # (The same segment size: the replica rolls where the leader did.)
-        replica = ReplicaLog(rdir, leader.node_id, config(tmp_path / "b", extra="[log]\nsegment_bytes = 4096\n"),
-                             log_id=leader.log_id)
+        replica = ReplicaLog(rdir, leader.node_id,
+                             config(tmp_path / "b", fsync, extra="[log]\nsegment_bytes = 4096\n"), log_id=leader.log_id)
         replica.start(loop)
         carried = await replicate(leader, replica, leader.raw_reader())
         assert all(b.epoch == 2 for b in carried)
         # Nothing is applied before the HW says so, on either side.
         first = tables(leader.db)
         assert first["subscriptions"] == [] and tables(replica.db)["subscriptions"] == []
-        # Nor does a reader of the files (the Spark source) get past what is committed.
+        # Nor does a reader of the files (the Spark source) get past what is committed,
+        # whether the writes are fsynced or not.
         assert read_durable(leader.log_dir) == read_durable(replica.log_dir) == 0
         for hw in (ends[4], ends[11]):
             await committed(leader, hw)
@@ -131,6 +134,7 @@ def test_the_replica_state_equals_the_leaders_after_both_apply_through_the_same_
             assert tables(replica.db) == tables(leader.db)
             assert replica.applied_through == leader.applied_through == hw
             assert read_durable(leader.log_dir) == read_durable(replica.log_dir) == hw
+            assert LogReader(leader.log_dir).durable_end_offset == LogReader(replica.log_dir).durable_end_offset == hw
         state = tables(leader.db)
         assert {r[1] for r in state["subscriptions"]} == {f"fleet/{i}/#" for i in range(12) if i % 3 != 1}
         assert dict(state["meta"])["applied_through"] == str(ends[11])

@@ -8,14 +8,21 @@
 The listing is "partitions, each with the nodes that can serve it" (`servers`), so that a
 partition kept on several nodes lists each of them, and a reader that loses one goes on with
 another: every server of a partition holds the same record at the same offset. A node serves
-the partitions `served_partitions` names (today its own log); asked without `local=true` it
-also asks the other nodes (peers.py) and merges their lists, so any one node is enough to
-discover the cluster.
+the partitions `served_partitions` names: its own log and, with `[cluster] replicas` > 1,
+every partition its process holds a copy of (followed, or led for a lost node by a hosted
+broker). Asked without `local=true` it also asks the other nodes (peers.py) and merges their
+lists, so any one node is enough to discover the cluster; each partition's servers come
+leader first, then the in-sync replicas, then any other copy (`role`), as the answering
+node knows the partitions' records: readers try them in that order.
 
 Nothing here reads past a partition's durable end (`LogReader.durable_end_offset`): the
 listing's `end_offset` is it, a time is looked up among durable records only, and a range
 that ends past it is refused (416), so a reader never gets a record that a crash of the
 node's machine could take back (and whose offset it could then give to another record).
+For a replicated partition that end is also never past the high watermark its holder
+knows (the leader's and the replicas' marks are capped there: `CommitLog.limit_marks`), so
+no server gives a record that a failover could truncate, and every server's records up to
+its end are the same.
 
 Records are the pipeline source's rows (`store.arrow.SOURCE_SCHEMA`, Spark's Arrow form) as
 an Arrow IPC stream, one message per chunk of the HTTP response. The stream ends with an
@@ -35,7 +42,7 @@ import threading
 
 from .api import bool_param, failure
 from .http import HttpError, Response, json_response, stream_from_thread
-from .peers import Peers
+from .peers import NO_ADMIN, Peers
 
 log = logging.getLogger("wrenmq.admin")
 
@@ -61,15 +68,42 @@ def register(routes, admin):
 
 def served_partitions(broker):
     """{partition: log directory} of the partitions this node serves to readers: its own
-    log. (A node that keeps replicas of other nodes' partitions adds their directories
-    here, `<data dir>/replicas/<partition>/log/<partition>`: a replicated partition's
-    durable mark, leader's or replica's, says no more than its high watermark
-    (`CommitLog.limit_marks`), so every server of a partition stops where all the in-sync
-    replicas hold the same records.)"""
+    log, and with replication every partition its process holds a copy of (the followed
+    ones in `<data dir>/replicas/<partition>/log/<partition>`, a hosted broker's on the
+    same files), none read past its high watermark (module docstring). Call it on the
+    event loop: the replication layer changes what it holds there."""
+    out = {}
+    services = _services(broker)
+    if services is not None:
+        out.update(services.log_copies())
     store = broker.store
-    if store is None or store.log is None:
-        return {}
-    return {store.node_id: store.log_dir}
+    if store is not None and store.log is not None:
+        out[store.node_id] = store.log_dir
+    return out
+
+
+def _services(broker):
+    cluster = broker.cluster
+    return getattr(cluster, "services", None) if cluster is not None else None
+
+
+def server_order(broker, partition):
+    """The sort key of a partition's servers in the listing: its leader first, then its
+    in-sync replicas, then any other copy (each by node name). Without replication the
+    partition's own node is its leader."""
+    services = _services(broker)
+    leader, isr = services.partition_members(partition) if services is not None else (None, ())
+    if leader is None:
+        leader = partition
+
+    def key(server):
+        node = server["node"]
+        return (0 if node == leader else 1 if node in isr else 2, node)
+
+    def role(server):
+        return ("leader", "in_sync", "replica")[key(server)[0]]
+
+    return key, role
 
 
 class ReaderPool:
@@ -192,11 +226,14 @@ class LogRead:
 
     # --- the listing ---
 
-    def _local(self):
+    def _local(self, pools):
         out = []
-        for partition in sorted(served_partitions(self.broker)):
-            pool = self._pool(partition)
-            reader = pool.take()
+        for partition, pool in sorted(pools.items()):
+            try:
+                reader = pool.take()
+            except OSError as e:  # (a replica moved aside, or not made yet, as it was listed)
+                log.info("log read: partition %r in %s cannot be read now: %s", partition, pool.directory, e)
+                continue
             try:
                 out.append((partition, describe(reader)))
             finally:
@@ -206,7 +243,8 @@ class LogRead:
     async def partitions(self, request):
         me = {"node": self.admin.node, "admin": self.admin.listener.url}
         parts = {}
-        for partition, d in await self._in_thread(self._local):
+        pools = {p: self._pool(p) for p in served_partitions(self.broker)}
+        for partition, d in await self._in_thread(self._local, pools):
             parts.setdefault(partition, []).append({**me, **d})
         out = {"node": self.admin.node, "partitions": []}
         if self.peers.active and not bool_param(request.query, "local"):
@@ -217,9 +255,15 @@ class LogRead:
                         parts.setdefault(p["partition"], []).extend(p["servers"])
                 else:
                     out.setdefault("unreachable", {})[node] = failure(status, data)
+            for node in self._hosted_elsewhere(answers, parts):
+                del out["unreachable"][node]
+            if not out.get("unreachable", True):
+                del out["unreachable"]
         for partition in sorted(parts):
-            # The partition's own node first: readers try the servers in this order.
-            servers = sorted(parts[partition], key=lambda s: (s["node"] != partition, s["node"]))
+            key, role = server_order(self.broker, partition)
+            servers = sorted(parts[partition], key=key)
+            for s in servers:
+                s["role"] = role(s)
             out["partitions"].append({
                 "partition": partition,
                 "start_offset": min(s["start_offset"] for s in servers),
@@ -227,6 +271,13 @@ class LogRead:
                 "servers": servers,
             })
         return json_response(out)
+
+    @staticmethod
+    def _hosted_elsewhere(answers, parts):
+        """The peers with no admin listener of their own whose partition a node serves: a
+        lost node's broker hosted by a survivor (cluster/ha/hosting.py), not a node down."""
+        return [n for n, (status, data) in answers.items()
+                if status is None and data == NO_ADMIN and n in parts]
 
     # --- one partition ---
 

@@ -20,6 +20,7 @@ import urllib.parse
 import h11
 
 TIMEOUT = 5.0
+NO_ADMIN = "no admin listener known"  # (the reason given for a node that told etcd of none)
 MAX_ANSWER = 64 * 1024 * 1024
 _URLS_FOR = 2.0  # seconds the nodes' addresses, read from etcd, are reused
 
@@ -106,7 +107,7 @@ class Peers:
         async def one(name):
             url = urls.get(name)
             if url is None:
-                return name, (None, "no admin listener known")
+                return name, (None, NO_ADMIN)
             try:
                 return name, await fetch(url, method, target, headers, data, context=self.context)
             except (OSError, asyncio.TimeoutError, ValueError, h11.ProtocolError) as e:

@@ -83,13 +83,16 @@ class CommitLog(LogReader):
         # A replicated partition's mark says no more than its high watermark (`limit_marks`):
         # a reader (the Spark source) must not take a record that a failover could still
         # take back. None: not limited. `_synced`: the end the syncs made durable.
+        # Without syncs to mark (fsync = "never") a limited mark is kept all the same, and
+        # follows the writes: "durable" is "written" there, but readers still stop at the HW.
         self.mark_limit = mark_limit
+        self._marks_follow_writes = mark_limit is not None and not durable_marks
         self._synced = 0
         self._mark_lock = threading.Lock()
         remove_orphans(str(directory))
         super().__init__(directory)
         self._recover()
-        self._open_durable(durable_marks)
+        self._open_durable(durable_marks or mark_limit is not None)
 
     # --- opening and the durable mark -------------------------------------------
 
@@ -130,7 +133,7 @@ class CommitLog(LogReader):
         watermark; raised as it moves)."""
         self.mark_limit = limit
         if self._durable_fd is not None:
-            self._mark_limited(None)
+            self._mark_limited(self.end_offset if self._marks_follow_writes else None)
 
     def _mark_limited(self, synced):
         # (The syncer thread marks while the writer raises the limit: one at a time, so a

@@ -522,6 +522,22 @@ class Partitions:
                 self._status_sent[p] = figures
                 self.loop.create_task(self.control.put_status(p, figures))
 
+    # --- for readers of the log ----------------------------------------------------------------
+
+    def log_copies(self):
+        """{partition: log directory} of the partitions this process leads or follows
+        (NodeServices.log_copies)."""
+        out = {p: f.replica.log_dir for p, f in self.followers.items() if not f.closed}
+        for p, lead in self.leaders.items():
+            out[p] = lead.store.log_dir
+        return out
+
+    def partition_members(self, partition):
+        held = self.control.records.get(partition) if self.control is not None else None
+        if held is None:
+            return None, ()
+        return held[0].leader, tuple(held[0].isr)
+
     # --- figures --------------------------------------------------------------------------------
 
     def sys_values(self, partition, broker):

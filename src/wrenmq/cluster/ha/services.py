@@ -13,7 +13,9 @@ class NodeServices:
       few seconds;
     - `clients_without_lease`: `clients/<client id>` keys outlive the broker's lease: a
       session's node is its partition, which outlives the process;
-    - `sys_values()`: the partitions' figures in this broker's $SYS."""
+    - `sys_values()`: the partitions' figures in this broker's $SYS;
+    - `log_copies()`, `partition_members(p)`: the partitions whose copies this process
+      holds, and who leads each, for readers of the log (admin/logread.py)."""
 
     def __init__(self, manager, partition, link_port):
         self.manager = manager
@@ -25,3 +27,15 @@ class NodeServices:
 
     def sys_values(self, broker):
         return self.manager.sys_values(self.partition, broker)
+
+    def log_copies(self):
+        """{partition: log directory} of every partition this process holds a copy of:
+        those it leads (its own, a hosted one) and those it follows. Each copy's durable
+        mark stops at what its holder knows is committed (the high watermark: replica.py,
+        replicated.py), so a reader of any of them reads only records no failover can
+        take back, and the same record at the same offset on each."""
+        return self.manager.log_copies()
+
+    def partition_members(self, partition):
+        """(leader, in-sync set) of `partition` as etcd last said; (None, ()) unknown."""
+        return self.manager.partition_members(partition)

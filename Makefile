@@ -5,7 +5,7 @@
 #   make test  [PYTEST_ARGS="-k foo -x"]   install test deps, run the suite (2 workers; TEST_WORKERS=0: one)
 #   make bench [ARGS="--repeat 5"]         benchmark suite vs Mosquitto (~20 min)
 #   make bench-quick                       one pass of the main comparison (< 2 min)
-#   make bench-cluster                     one node vs two nodes through etcd (~2 min)
+#   make bench-cluster                     one node vs two nodes; QoS 1 replicated vs not (~5 min)
 #   make bench-bridge                      wrenmq's bridge vs Mosquitto's, to a local Mosquitto (~3 min)
 #   make soak  [ARGS="--minutes 10"]       client churn: does memory settle? (vs Mosquitto, ~13 min)
 #   make fuzz  [EXAMPLES=20000]            the fuzz targets, long
@@ -122,11 +122,13 @@ bench: bench-deps
 bench-quick: bench-deps
 	$(PY) -m wrenmq.bench.suite --quick $(ARGS)
 
-# Crossing nodes: the same QoS 0 load through one node and from node b to node a.
+# Crossing nodes: the same QoS 0 load through one node and from node b to node a. Then
+# replication: QoS 1 1 -> 1 on one node, a 3-node cluster with replicas 1, and with replicas 3.
 bench-cluster: bench-deps
 	@$(ENSURE_DEB) etcd:etcd-server
 	$(PIP) install -q -e '.[cluster]'
 	$(PY) -m wrenmq.bench.cluster $(ARGS)
+	$(PY) -m wrenmq.bench.replicated $(REPLICATED_ARGS)
 
 # QoS 1 through a bridge to a local Mosquitto: wrenmq's (fsync always, interval) and Mosquitto's own.
 bench-bridge: bench-deps

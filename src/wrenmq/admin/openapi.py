@@ -141,6 +141,8 @@ _SERVER = {
         "start_offset": {"type": "integer"},
         "end_offset": {"type": "integer", "description": "The durable end: nothing past it is served."},
         "first_timestamp_us": {"type": ["integer", "null"]}, "last_timestamp_us": {"type": ["integer", "null"]},
+        "role": {"type": "string", "enum": ["leader", "in_sync", "replica"],
+                 "description": "The partition's leader, an in-sync replica, or another copy (listed in that order)."},
     },
 }
 _PARTITIONS = {"type": "object", "properties": {

@@ -1,4 +1,4 @@
-"""A deterministic simulator of wrenmq's partition replication (issue 33, HA-DESIGN.md).
+"""A deterministic simulator of wrenmq's partition replication (issue 33, docs/REPLICATION.md).
 
 Nodes run the real sans-IO core (`wrenmq.cluster.replication`, `replication_control`,
 `replication_frames`: every frame is encoded and decoded) inside a small I/O layer

@@ -6,7 +6,7 @@ fsynced; a crash loses what was not fsynced, or some of it), the epoch history f
 the replicated QoS 2 state applied up to the high watermark, an etcd lease and node key,
 a polled view of the partition records, and the rules of `replication_control` run
 through the fake etcd. Client publishes are held until the high watermark passes them
-(HA-DESIGN.md: output is released at HW) and only while the node's lease is valid.
+(docs/REPLICATION.md: output is released at HW) and only while the node's lease is valid.
 
 Records are short byte strings: `m|pub|msg|qos` (a message), `r|pub|pid|msg|offset` (the
 inbound QoS 2 packet id received: state) and `x|pub|pid` (released: state). A log keeps

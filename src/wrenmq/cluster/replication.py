@@ -2,7 +2,7 @@
 
 With `[cluster] replicas = R`, each node's commit log is a partition kept on R nodes: a
 leader, which appends, and followers, which fetch its batches and append them verbatim
-at the same offsets (HA-DESIGN.md). This module decides; it reads no clock, socket or
+at the same offsets (docs/REPLICATION.md). This module decides; it reads no clock, socket or
 file. Its inputs are frames (`replication_frames`), local log events and the time, as
 arguments; its outputs are lists of decision objects that the I/O layer carries out in
 order: send a frame, read a range of the log and send it, append, truncate, persist the
@@ -210,7 +210,7 @@ class PartitionLeader:
     @property
     def accepting(self):
         """Whether a QoS 1/2 PUBLISH may be logged now: not fenced and enough replicas in
-        sync (HA-DESIGN.md: refused before it is logged otherwise)."""
+        sync (docs/REPLICATION.md: refused before it is logged otherwise)."""
         return self.fenced_epoch is None and len(self.isr) >= self.min_insync
 
     def local_appended(self, end, now):

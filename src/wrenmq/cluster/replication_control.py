@@ -1,4 +1,4 @@
-"""Partition metadata rules (HA-DESIGN.md, "Control plane"), as pure functions.
+"""Partition metadata rules (docs/REPLICATION.md, "Control plane"), as pure functions.
 
 Each partition's record lives in etcd at `<prefix>partitions/<P>` as JSON
 `{"leader", "incarnation", "epoch", "isr", "replicas"}` and changes only by a

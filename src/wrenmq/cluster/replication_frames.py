@@ -2,7 +2,7 @@
 
 A follower opens one TCP connection per partition it follows to the leader's link port
 and sends HELLO, then FETCHes; the leader answers each FETCH with DATA, DIVERGED,
-FENCED or a run of SNAPSHOT chunks (HA-DESIGN.md, "Data plane"). Like the node links
+FENCED or a run of SNAPSHOT chunks (docs/REPLICATION.md, "Data plane"). Like the node links
 (`frames.py`), a frame is `u32 length | u8 kind | body`, the length counting kind and
 body, big-endian. Strings are `u16 n | n bytes of UTF-8`; epochs are u32 (the leader
 epoch travels in the reserved u32 of every log batch header), with 0xFFFFFFFF meaning

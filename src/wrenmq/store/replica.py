@@ -2,7 +2,7 @@
 
 A node keeps each partition it follows in `<data_dir>/replicas/<partition>/`, laid out
 as a data dir of its own so that a broker can later be started on it unchanged (the
-failover of HA-DESIGN.md):
+failover of docs/REPLICATION.md):
 
     log/<partition>/      the segments, the leader's batches byte for byte at the same
                           offsets, and `leader-epochs` (the leader-epoch history)

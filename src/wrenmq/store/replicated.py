@@ -1,7 +1,7 @@
 """A replicated partition's store: state changes travel in the log and apply when committed.
 
 With `[cluster] replicas` > 1 a node's commit log is a partition kept on several nodes
-(docs/HA-DESIGN.md), and a record counts only once the high watermark (HW: the end of
+(docs/REPLICATION.md), and a record counts only once the high watermark (HW: the end of
 what every in-sync replica holds durably) has passed it. Two things change in the store
 then, and `ReplicatedStore` is a `Store` that does them:
 

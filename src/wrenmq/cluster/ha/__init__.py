@@ -1,5 +1,5 @@
 """High availability: each node's commit log a partition kept on `[cluster] replicas`
-nodes (docs/CLUSTER.md, "High availability"; the design: HA-DESIGN.md).
+nodes (docs/CLUSTER.md, "High availability"; the design: docs/REPLICATION.md).
 
 The sans-IO core is beside this package (`replication.py`: the leader's and follower's
 state machines; `replication_control.py`: the rules of the records in etcd;

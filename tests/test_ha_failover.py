@@ -286,3 +286,52 @@ def test_status_shows_the_partitions_and_reassign_moves_a_lost_nodes_replicas(cl
     assert parts["c"]["leader"] in ("a", "b") and parts["c"]["replicas"]["d"]["in_sync"]
     assert cl["d"].log  # (the new node's own partition exists too)
     assert records(cl)["d"]["leader"] == "d"
+
+
+def test_a_session_handed_over_uncommitted_keeps_its_messages_coming(cluster):
+    """With replicas > 1 the node that hands a session over sends it once committed, which
+    can take seconds (here: the hosted broker of a killed node b cannot commit while its
+    two in-sync replicas are cut from each other). Until the session is at its new node,
+    what the other nodes publish for it goes on reaching it: its filters stay where the
+    others send their messages, and what comes there is passed on (RELAY) once the session
+    has gone. Four nodes, so that the node the client reconnects to, Z, is none of b's
+    replicas and takes QoS 1 PUBLISHes throughout."""
+    cl = cluster(nodes="abcd")
+    cl.start()
+    wait_whole(cl)
+    cid = uid("moved")
+    s = paho_client(cl["b"].port, client_id=cid, version=4, clean=False)
+    assert sub(s, "gap/#", 1) == [1]
+    s.disconnect()
+    s.loop_stop()
+    time.sleep(1.0)  # (the session committed on b's replicas)
+    replicas = records(cl)["b"]["replicas"]
+    (z,) = set("acd") - set(replicas)
+    cl["b"].kill()
+    host = wait_for(lambda: taken_over(cl, "b"), 40, 0.1)
+    assert host, f"nobody took b over: {records(cl)} {status(cl)}"
+    (other,) = set(replicas) - {"b", host}
+    cl.partition(host, [other])  # (partition b's high watermark stops: its in-sync set is {host, other})
+    s = paho_client(cl[z].port, client_id=cid, version=4, clean=False, connect=False)
+    s.connect("127.0.0.1", cl[z].port, keepalive=60)
+    s.loop_start()
+    pub = paho_client(cl[z].port)
+    sent = []
+    try:
+        for burst in range(3):  # (the first past the second a removal takes, the last past the relay's 5 s)
+            time.sleep(2.5)
+            for i in range(5):
+                payload = f"{burst}-{i}".encode()
+                pub.publish("gap/x", payload, 1).wait_for_publish(10)
+                sent.append(payload)
+        assert not s.connected_event.is_set(), "the session moved although b's partition could not commit"
+        cl.heal()
+        assert s.connected_event.wait(30), "no CONNACK after the heal"
+        assert s.connack[1].session_present, s.connack
+        got = []
+        wait_for(lambda: got.extend(m.payload for m in drain(s)) or set(sent) <= set(got), 30, 0.2)
+        assert sorted(set(got)) == sorted(sent), f"missing {sorted(set(sent) - set(got))}"
+    finally:
+        for c in (s, pub):
+            c.disconnect()
+            c.loop_stop()

@@ -74,6 +74,9 @@ class Moves:
         self.moved_in = {}
         self._moved_due = collections.deque()  # (until, client id)
         self._seen_total = 0  # messages remembered in moved_in
+        # client id -> the node its session was handed to, while the answer waits to be
+        # committed here (with replicas > 1): what comes for it meanwhile is passed on.
+        self._answers_held = {}
 
     async def claim(self, cid):
         """Before a CONNECT with clean start 0 whose session is not here: ask the node
@@ -204,17 +207,43 @@ class Moves:
         groups = _shared_filters(session)
         self._expire()
         if filters or groups:
-            until = cluster.loop.time() + _RELAY_FOR
-            for f in filters:
-                self._relays.insert(f, cid, (requester, until))
-            for key in groups:
-                self.group_relays.setdefault(key, {})[cid] = (requester, until)
-            self.relays_due.append((until, cid, filters, groups))
-        # (they leave etcd with the links' removal: Routes.unsubscribed)
-        with cluster.routes.handing_over([(None, f) for f in filters] + list(groups)):
+            self._relay_for(cid, requester, filters, groups)
+        # (they leave etcd with the links' removal: Routes.unsubscribed. With replicas > 1
+        # the answer waits here until committed (ha/gate.py), and the asking node sends
+        # the session's filters only once it has it: so the removal, and the time its
+        # messages are passed on, count from when the answer goes.)
+        gate = cluster.gate
+        held = [] if gate is not None else None
+        with cluster.routes.handing_over([(None, f) for f in filters] + list(groups), held):
             router.end_session(session, publish_will=False)
         self.handed_over += 1
         cluster.links.send_control(peer, F.encode_session(state, pubs))
+        if gate is not None:
+            self._answers_held[cid] = requester
+            # (after this turn's flush, which hands the answer to the gate: Links._flush)
+            cluster.loop.call_soon(gate.after_held, peer,
+                                   lambda: self._answer_gone(cid, requester, filters, groups, held))
+
+    def _relay_for(self, cid, requester, filters, groups):
+        """Pass on what comes here for `cid`'s session (`filters` and shared `groups`) to
+        node `requester`, where it went, for _RELAY_FOR seconds from now."""
+        until = self.cluster.loop.time() + _RELAY_FOR
+        for f in filters:
+            self._relays.insert(f, cid, (requester, until))
+        for key in groups:
+            self.group_relays.setdefault(key, {})[cid] = (requester, until)
+        self.relays_due.append((until, cid, filters, groups))
+
+    def _answer_gone(self, cid, requester, filters, groups, held):
+        """The session handed to `requester` went out (committed): its filters leave etcd a
+        second from now, and what comes for it is passed on for _RELAY_FOR seconds more,
+        unless the client moved again meanwhile."""
+        self.cluster.routes.handed_over(held)
+        self._answers_held.pop(cid, None)
+        if not (filters or groups) or cid in self.router.sessions:
+            return
+        self._expire()
+        self._relay_for(cid, requester, filters, groups)
 
     def session_answered(self, body):
         """SESSION: the session `claim` asked for (or word that there is none)."""
@@ -249,6 +278,10 @@ class Moves:
         due = self.relays_due
         while due and due[0][0] < now:
             until, cid, filters, groups = due.popleft()
+            to = self._answers_held.get(cid)
+            if to is not None:  # (the session has not gone yet: what comes for it waits behind it)
+                self._relay_for(cid, to, filters, groups)
+                continue
             for f in filters:
                 held = self._relays.get(f, cid)
                 if held is not None and held[1] == until:  # (not a later move of the same client)

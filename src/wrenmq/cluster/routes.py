@@ -41,6 +41,7 @@ class Routes:
         self._removals = collections.deque()
         self._removals_timer = None
         self._later_in_etcd = ()  # (group, filter) of a session being handed over (`handing_over`)
+        self._held = None  # ... and the list its removals wait in, if they wait (`handing_over`)
 
     def stop(self):
         if self._removals_timer is not None:
@@ -98,20 +99,38 @@ class Routes:
             later = (group, flt) in self._later_in_etcd
             if not later:
                 cluster.membership.write(key, None)
-            loop = cluster.loop
-            self._removals.append((loop.time() + _REMOVAL_DELAY, group, flt, seq, later))
-            if self._removals_timer is None:
-                self._removals_timer = loop.call_later(_REMOVAL_DELAY, self._removals_due)
+            elif self._held is not None:
+                self._held.append((group, flt, seq))
+                return
+            self._remove_later(group, flt, seq, later)
+
+    def _remove_later(self, group, flt, seq, etcd_too):
+        loop = self.cluster.loop
+        self._removals.append((loop.time() + _REMOVAL_DELAY, group, flt, seq, etcd_too))
+        if self._removals_timer is None:
+            self._removals_timer = loop.call_later(_REMOVAL_DELAY, self._removals_due)
 
     @contextlib.contextmanager
-    def handing_over(self, keys):
+    def handing_over(self, keys, held=None):
         """While a session's filters and groups (`keys`: (group, filter)) leave this node for
-        another (moves.py): their removals leave etcd a second later, with the links'."""
+        another (moves.py): their removals leave etcd a second later, with the links'. With
+        `held` (a list), that second starts only at `handed_over(held)`: with [cluster]
+        replicas > 1 the session goes to the other node once committed here, which can take
+        seconds, and until it is there no node may stop sending its messages here."""
         self._later_in_etcd = frozenset(keys)
+        self._held = held
         try:
             yield
         finally:
             self._later_in_etcd = ()
+            self._held = None
+
+    def handed_over(self, held):
+        """The session whose removals wait in `held` (`handing_over`) has gone out: they
+        leave etcd and the links a second from now."""
+        for group, flt, seq in held:
+            self._remove_later(group, flt, seq, True)
+        held.clear()
 
     def _removals_due(self):
         self._removals_timer = None

@@ -24,7 +24,7 @@ import collections
 class CommitGate:
     def __init__(self, store):
         self.store = store
-        self.held = {}  # peer name -> deque of [epoch id, link, [frames], bytes]
+        self.held = {}  # peer name -> deque of [epoch id, link, [frames], bytes, [callbacks] or None]
         self.held_bytes = {}  # peer name -> bytes held
         inner = store.on_durable
 
@@ -57,12 +57,24 @@ class CommitGate:
         if queue is None:
             queue = self.held[name] = collections.deque()
         n = sum(map(len, frames))
-        if queue and queue[-1][0] == eid and queue[-1][1] is link:
+        if queue and queue[-1][0] == eid and queue[-1][1] is link and queue[-1][4] is None:
             queue[-1][2].extend(frames)
             queue[-1][3] += n
         else:
-            queue.append([eid, link, list(frames), n])
+            queue.append([eid, link, list(frames), n, None])
         self.held_bytes[name] = self.held_bytes.get(name, 0) + n
+
+    def after_held(self, peer, callback):
+        """Call `callback` once what is held for `peer` now has been written (at once if
+        nothing is held), or its link went meanwhile; never if the gate is discarded."""
+        queue = self.held.get(peer.name)
+        if not queue:
+            callback()
+            return
+        last = queue[-1]
+        if last[4] is None:
+            last[4] = []
+        last[4].append(callback)
 
     def pending(self, peer):
         """Bytes held for `peer` (they count against its link_buffer)."""
@@ -76,12 +88,15 @@ class CommitGate:
         for name, queue in list(self.held.items()):
             freed = 0
             while queue and queue[0][0] <= durable:
-                _, link, frames, n = queue.popleft()
+                _, link, frames, n, callbacks = queue.popleft()
                 freed += n
                 t = link.transport
                 if t is not None and not t.is_closing():
                     t.writelines(frames)
                 # (else the link went: what the log records is replayed on the next one)
+                if callbacks is not None:
+                    for callback in callbacks:
+                        callback()
             if freed:
                 left = self.held_bytes[name] - freed
                 if queue:
@@ -104,6 +119,9 @@ class CommitGate:
         self.held_bytes.clear()
 
     def forget(self, peer):
-        """The peer left: nothing held for it is sent."""
-        self.held.pop(peer.name, None)
+        """The peer left: nothing held for it is sent (what waited for it goes on)."""
+        queue = self.held.pop(peer.name, None)
         self.held_bytes.pop(peer.name, None)
+        for entry in queue or ():
+            for callback in entry[4] or ():
+                callback()

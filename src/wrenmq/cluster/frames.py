@@ -38,6 +38,7 @@ MARK = 8  # the receiver has the sender's log up to JSON {"offset"} (with disk s
 RELAY = 9  # a FORWARD this node took for a session it has just handed to the receiver, passed on
 #           for that session only: u16 n | client id | u16 n | the origin's log id | FORWARD body
 #           (flags without TO_SUBSCRIBERS: for the groups it names, which lost their member here)
+LIVE = 10  # the sender has replayed its log to the receiver: what follows is live. JSON {}
 
 # FORWARD flags: what the receiving node does with the message.
 TO_SUBSCRIBERS = 1  # deliver to its (non-shared) subscribers that match
@@ -110,6 +111,10 @@ def encode_resume(offset, announced=0):
 def decode_resume(body):
     """(offset, announced); announced 0 from a node that does not say."""
     return _json_fields(body, "RESUME", lambda r: (int(r["offset"]), int(r.get("announced", 0))))
+
+
+def encode_live():
+    return _json_frame(LIVE, {})
 
 
 def encode_mark(offset):

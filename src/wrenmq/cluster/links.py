@@ -103,6 +103,7 @@ class InLink(asyncio.Protocol):
         self.reader = F.FrameReader(_HELLO_BYTES)  # until HELLO: what a stranger can make us hold
         self.decoder = F.forward_decoder()
         self.peer = None
+        self.live = False  # the sender has replayed its log here (LIVE)
         self.mark = None  # [sender's log id, last offset of it taken, its run] (Replay.applied)
         self.mark_saving = None  # (epoch id, mark[1]) saved with that epoch, not yet known durable
         self.mark_told = -1  # the last MARK sent back
@@ -138,7 +139,9 @@ class InLink(asyncio.Protocol):
                 if kind == F.FORWARD and self.peer is not None:
                     forwarding.receive(body, self.decoder, self.mark)
                 elif kind == F.SESSION_ASK and self.peer is not None:
-                    cluster.moves.session_asked(self.peer, body)
+                    cluster.moves.session_asked(self.peer, body, self)
+                elif kind == F.LIVE and self.peer is not None:
+                    self.live = True
                 elif kind == F.SESSION and self.peer is not None:
                     cluster.moves.session_answered(body)
                 elif kind == F.RELAY and self.peer is not None:
@@ -409,12 +412,18 @@ class Links:
 
     def go_live(self, peer, link):
         """The link has everything up to the log's end: the queued frames (not in the log)
-        follow, and from now on messages go straight to it."""
+        follow, and from now on messages go straight to it. The peer is told (LIVE): with
+        replicas > 1 a session it hands over waits for that (Moves.session_asked)."""
         if peer.queue:
             self.write(peer, link, peer.queue)
             peer.queue = []
             peer.queued = 0
         peer.up = True
+        self.write(peer, link, [F.encode_live()])
+
+    def replayed_here(self, name):
+        """Node `name` has a link to this node whose replay of its log is over (LIVE)."""
+        return any(link.peer == name and link.live and not link.transport.is_closing() for link in self.inlinks)
 
     @staticmethod
     def linked(peer):

@@ -32,6 +32,10 @@ _HANDOVER_TIMEOUT = 2.0  # seconds a CONNECT waits for another node to hand its 
 # sessions together, past which the oldest session's memory goes first (later RELAYs
 # for it are dropped).
 _RELAY_FOR = 5.0
+# With replicas > 1, seconds a SESSION_ASK may wait for this node to know its asker and to
+# have every other node's replay of its log (Moves.session_asked).
+_ASK_WAITS = 5.0
+_ASK_RETRY = 0.1
 _SEEN_MAX = 1_000_000
 
 
@@ -179,11 +183,31 @@ class Moves:
                 return None
             await asyncio.sleep(0.1)
 
-    def session_asked(self, requester, body):
-        """SESSION_ASK from node `requester`: hand the session over (or say there is none)."""
+    def session_asked(self, requester, body, inlink=None, waited=0.0):
+        """SESSION_ASK from node `requester` (on `inlink`): hand the session over (or say
+        there is none).
+
+        With replicas > 1 this node may be a broker that has just started (hosted after a
+        failover, or back from one): the other nodes replay to it what their logs hold for
+        its sessions, and what one of them has not replayed yet when the session leaves is
+        lost to it (the replay matches this node's filters, which the session takes along).
+        So the answer waits, up to _ASK_WAITS seconds, until every node known here has
+        replayed its log (LIVE on its link here), and until the asker is known here (its
+        link is how the answer goes; a node that has just joined can be asked before it has
+        read who the others are): the asker waits for it as long as its link stays up, and
+        asks again through the next one (so an ask whose link went is dropped)."""
         cluster = self.cluster
+        links = cluster.links
         rid, cid = F.decode_session_ask(body)
-        peer = cluster.links.peers.get(requester)
+        peer = links.peers.get(requester)
+        if cluster.services is not None and (peer is None or not all(map(links.replayed_here, links.peers))):
+            if inlink is not None and inlink.transport.is_closing():
+                return
+            if waited < _ASK_WAITS:
+                cluster.loop.call_later(_ASK_RETRY, self.session_asked, requester, body, inlink, waited + _ASK_RETRY)
+                return
+            log.warning("cluster: node %s asked for %s's session; answering without %s after %.0f s", requester,
+                        cid, "knowing that node" if peer is None else "every other node's replay", waited)
         if peer is None:
             return
         router = self.router

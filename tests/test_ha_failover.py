@@ -17,7 +17,7 @@ from cluster_harness import WRENMQ, Cluster, EtcdCluster, under_load
 from conftest import paho_client
 from mqtt_helpers import drain, raw_connect, sub, uid, wait_for
 from wrenmq.mqtt import constants as C
-from wrenmq.mqtt.packets import Publish
+from wrenmq.mqtt.packets import Connect, Publish
 
 HA = {"replicas": 3, "min_insync": 2, "replica_lag_ms": 2000, "replica_heartbeat_ms": 200,
       "replica_fetch_timeout_ms": 1500}
@@ -335,3 +335,51 @@ def test_a_session_handed_over_uncommitted_keeps_its_messages_coming(cluster):
         for c in (s, pub):
             c.disconnect()
             c.loop_stop()
+
+
+def test_a_client_that_gives_up_a_claiming_connect_finds_its_session_elsewhere(cluster, raw_client):
+    """A client's CONNECT (clean start 0) on node Z waits while its session is handed over
+    from the hosted broker of a killed node b, which cannot commit (its two in-sync
+    replicas are cut from each other); the client gives up and connects to another node W.
+    W's ask reaches b after b handed the session to Z: b says so, W asks Z, which answers
+    once its own claim is over (the session it took for a client that left). The client
+    gets its session on W (session present 1, with the message queued for it), not a new
+    one."""
+    cl = cluster(nodes="abcd")
+    cl.start()
+    wait_whole(cl)
+    cid = uid("gaveup")
+    s = paho_client(cl["b"].port, client_id=cid, version=4, clean=False)
+    assert sub(s, "owed/#", 1) == [1]
+    s.disconnect()
+    s.loop_stop()
+    pub = paho_client(cl["a"].port)
+    pub.publish("owed/1", b"kept for it", 1).wait_for_publish(10)
+    pub.disconnect()
+    pub.loop_stop()
+    time.sleep(1.0)  # (the session and its message committed on b's replicas)
+    replicas = records(cl)["b"]["replicas"]
+    (z,) = set("acd") - set(replicas)
+    cl["b"].kill()
+    host = wait_for(lambda: taken_over(cl, "b"), 40, 0.1)
+    assert host, f"nobody took b over: {records(cl)} {status(cl)}"
+    (other,) = set(replicas) - {"b", host}
+    cl.partition(host, [other])  # (partition b's high watermark stops: its in-sync set is {host, other})
+    first = raw_client(cl[z].port, C.MQTT311)
+    first.send(Connect(cid, version=C.MQTT311, clean_start=False))
+    time.sleep(2.0)  # (b has handed the session to z, held until committed)
+    first.sock.close()  # (the client gives up)
+    s = paho_client(cl[host].port, client_id=cid, version=4, clean=False, connect=False)
+    try:
+        s.connect("127.0.0.1", cl[host].port, keepalive=60)
+        s.loop_start()
+        time.sleep(2.0)
+        cl.heal()
+        assert s.connected_event.wait(30), "no CONNACK"
+        assert s.connack[1].session_present, "the session was lost: a new one was made"
+        got = []
+        assert wait_for(lambda: got.extend(m.payload for m in drain(s)) or got, 20, 0.2), "the owed message never came"
+        assert got == [b"kept for it"], got
+    finally:
+        s.disconnect()
+        s.loop_stop()

@@ -667,7 +667,7 @@ class Connection(asyncio.Protocol):
     async def _claim_then_accept(self, cluster, pkt, auth_props):
         adopted = False
         try:
-            adopted = await cluster.claim(pkt.client_id)
+            adopted = await cluster.claim(pkt.client_id, self._client_left)
         except Exception:
             log.exception("taking %s's session over from another node failed", pkt.client_id)
         if not self.closing and self._client_left():

@@ -36,6 +36,21 @@ _RELAY_FOR = 5.0
 # have every other node's replay of its log (Moves.session_asked).
 _ASK_WAITS = 5.0
 _ASK_RETRY = 0.1
+# With replicas > 1, seconds a node remembers where it handed a session, to send a later
+# ask for it there (a client that gave up its CONNECT while it waited for the hand-over,
+# and connected to a third node), at most _HANDED_MAX sessions.
+_HANDED_KEPT = 60.0
+_HANDED_MAX = 100_000
+_HOPS = 4  # nodes an ask follows a session to (`_ask_partition`)
+
+
+class _Moved:
+    """An ask's answer: the session was handed to `node` (ask there)."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node):
+        self.node = node
 _SEEN_MAX = 1_000_000
 
 
@@ -81,12 +96,14 @@ class Moves:
         # client id -> the node its session was handed to, while the answer waits to be
         # committed here (with replicas > 1): what comes for it meanwhile is passed on.
         self._answers_held = {}
+        self._handed = {}  # client id -> (the node its session went to, until when), oldest first
+        self._claiming = set()  # client ids whose session `claim` is taking from another node
 
-    async def claim(self, cid):
+    async def claim(self, cid, gone=None):
         """Before a CONNECT with clean start 0 whose session is not here: ask the node
         that holds it (`clients/<cid>`) to hand it over, and take it in. False if there
         was nothing to take (or no answer within _HANDOVER_TIMEOUT; with replicas > 1,
-        `_ask_partition`)."""
+        `_ask_partition`). `gone()`: whether the client gave the CONNECT up meanwhile."""
         cluster = self.cluster
         peers = cluster.links.peers
         services = cluster.services
@@ -105,9 +122,18 @@ class Moves:
                 return False
             taken = await self._ask(peer, owner, cid, _HANDOVER_TIMEOUT)
         else:
-            taken = await self._ask_partition(owner, cid, services.claim_wait)
+            self._claiming.add(cid)
+            try:
+                taken = await self._ask_partition(owner, cid, services.claim_wait, gone)
+            finally:
+                self._claiming.discard(cid)
         if not taken:  # (False: no answer in time; None: no session there)
             return False
+        if gone is not None and gone():
+            # Its client went (to another node, likely) while the session came: it stays
+            # here offline, registered here, so that the client's CONNECT there takes it
+            # from here (an ask this node got for it meanwhile waited: session_asked).
+            cluster.membership.client_connected(cid)
         session, moved, dropped = taken
         self.taken_over += 1
         log.info("cluster: took %s's session over from node %s (%d subscription(s), %d message(s)%s)",
@@ -132,7 +158,7 @@ class Moves:
         finally:
             self._asks.pop(rid, None)
 
-    async def _ask_partition(self, owner, cid, timeout):
+    async def _ask_partition(self, owner, cid, timeout, gone=None):
         """With [cluster] replicas > 1, `owner` is a partition: its broker may be being
         failed over or handed back (it comes back within the lease and a few seconds,
         elsewhere), and its answer, like all it sends, goes once its high watermark has
@@ -140,10 +166,14 @@ class Moves:
         may take seconds to reach. So the ask waits up to `timeout` seconds for a link to
         the partition's broker, and for its answer as long as that link stays up (an
         answer dropped for being late would lose the session: its old node has removed
-        it); a link that goes before the answer came is asked again through the next."""
+        it); a link that goes before the answer came is asked again through the next. A
+        node that handed the session on to another says where (a client that gave up a
+        CONNECT that claimed it, and came here): that node is asked next, unless this
+        CONNECT was given up too (`gone()`)."""
         cluster = self.cluster
         links = cluster.links
         deadline = cluster.loop.time() + timeout
+        hops = 0
         while True:
             peer = await self._linked(owner, deadline - cluster.loop.time())
             if peer is None:
@@ -165,7 +195,15 @@ class Moves:
             finally:
                 self._asks.pop(rid, None)
             if fut.done():
-                return fut.result()
+                answer = fut.result()
+                if type(answer) is not _Moved:
+                    return answer
+                hops += 1
+                if answer.node == cluster.node or hops > _HOPS or (gone is not None and gone()):
+                    return None
+                log.info("cluster: node %s handed %s's session to node %s: asking there", owner, cid, answer.node)
+                owner = answer.node
+                continue
             log.info("cluster: the link to node %s went before it answered for %s's session; asking again",
                      owner, cid)
 
@@ -200,7 +238,13 @@ class Moves:
         links = cluster.links
         rid, cid = F.decode_session_ask(body)
         peer = links.peers.get(requester)
-        if cluster.services is not None and (peer is None or not all(map(links.replayed_here, links.peers))):
+        services = cluster.services
+        if services is not None and cid in self._claiming and waited < services.claim_wait:
+            # (this node is taking the session from another: the ask is answered once it has)
+            if inlink is None or not inlink.transport.is_closing():
+                cluster.loop.call_later(_ASK_RETRY, self.session_asked, requester, body, inlink, waited + _ASK_RETRY)
+            return
+        if services is not None and (peer is None or not all(map(links.replayed_here, links.peers))):
             if inlink is not None and inlink.transport.is_closing():
                 return
             if waited < _ASK_WAITS:
@@ -213,8 +257,11 @@ class Moves:
         router = self.router
         session = router.release_session(cid)
         if session is None:
-            cluster.links.send_control(peer, F.encode_session({"id": rid, "cid": cid, "found": False, "msgs": []},
-                                                              ()))
+            answer = {"id": rid, "cid": cid, "found": False, "msgs": []}
+            handed = self._handed.get(cid)
+            if handed is not None and handed[0] != requester and handed[1] > cluster.loop.time():
+                answer["at"] = handed[0]
+            cluster.links.send_control(peer, F.encode_session(answer, ()))
             return
         state, pubs = session_state(session, rid, router.clock(), cluster.link_buffer)
         cluster.membership.disown(cid)  # the asking node registers the client next
@@ -242,6 +289,13 @@ class Moves:
             router.end_session(session, publish_will=False)
         self.handed_over += 1
         cluster.links.send_control(peer, F.encode_session(state, pubs))
+        if cluster.services is not None:
+            handed = self._handed
+            handed.pop(cid, None)
+            handed[cid] = (requester, cluster.loop.time() + _HANDED_KEPT)
+            now = cluster.loop.time()
+            while handed and (len(handed) > _HANDED_MAX or next(iter(handed.values()))[1] <= now):
+                del handed[next(iter(handed))]
         if gate is not None:
             self._answers_held[cid] = requester
             # (after this turn's flush, which hands the answer to the gate: Links._flush)
@@ -279,7 +333,8 @@ class Moves:
             return
         fut, cid = ask
         if not state.get("found") or state.get("cid") != cid:
-            fut.set_result(None)
+            at = state.get("at")
+            fut.set_result(_Moved(str(at)) if at and state.get("cid") == cid else None)
             return
         # Taken in now, before the frames that follow on this link: the old node sends
         # on what it takes for the session after handing it over (session_asked).

@@ -185,10 +185,10 @@ class Cluster:
         """{node: value} of `key` as each node told it (`advertise_info`), read from etcd now."""
         return await self.membership.read_info(key)
 
-    async def claim(self, cid):
+    async def claim(self, cid, gone=None):
         """Take client `cid`'s session from the node that holds it, if another does: True
-        if it is here now (moves.py)."""
-        return await self.moves.claim(cid)
+        if it is here now (moves.py). `gone()`: whether the client gave the CONNECT up."""
+        return await self.moves.claim(cid, gone)
 
     # --- figures ----------------------------------------------------------------------
 

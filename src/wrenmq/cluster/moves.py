@@ -32,8 +32,8 @@ _HANDOVER_TIMEOUT = 2.0  # seconds a CONNECT waits for another node to hand its 
 # sessions together, past which the oldest session's memory goes first (later RELAYs
 # for it are dropped).
 _RELAY_FOR = 5.0
-# With replicas > 1, seconds a SESSION_ASK may wait for this node to know its asker and to
-# have every other node's replay of its log (Moves.session_asked).
+# With replicas > 1, seconds a SESSION_ASK may wait for this node to have every other
+# node's replay of its log (Moves.session_asked).
 _ASK_WAITS = 5.0
 _ASK_RETRY = 0.1
 # With replicas > 1, seconds a node remembers where it handed a session, to send a later
@@ -230,10 +230,9 @@ class Moves:
         its sessions, and what one of them has not replayed yet when the session leaves is
         lost to it (the replay matches this node's filters, which the session takes along).
         So the answer waits, up to _ASK_WAITS seconds, until every node known here has
-        replayed its log (LIVE on its link here), and until the asker is known here (its
-        link is how the answer goes; a node that has just joined can be asked before it has
-        read who the others are): the asker waits for it as long as its link stays up, and
-        asks again through the next one (so an ask whose link went is dropped)."""
+        replayed its log (LIVE on its link here): the asker waits for it as long as its
+        link stays up, and asks again through the next one (so an ask whose link went is
+        dropped)."""
         cluster = self.cluster
         links = cluster.links
         rid, cid = F.decode_session_ask(body)
@@ -244,16 +243,16 @@ class Moves:
             if inlink is None or not inlink.transport.is_closing():
                 cluster.loop.call_later(_ASK_RETRY, self.session_asked, requester, body, inlink, waited + _ASK_RETRY)
             return
-        if services is not None and (peer is None or not all(map(links.replayed_here, links.peers))):
+        if peer is None:
+            return
+        if services is not None and not all(map(links.replayed_here, links.peers)):
             if inlink is not None and inlink.transport.is_closing():
                 return
             if waited < _ASK_WAITS:
                 cluster.loop.call_later(_ASK_RETRY, self.session_asked, requester, body, inlink, waited + _ASK_RETRY)
                 return
-            log.warning("cluster: node %s asked for %s's session; answering without %s after %.0f s", requester,
-                        cid, "knowing that node" if peer is None else "every other node's replay", waited)
-        if peer is None:
-            return
+            log.warning("cluster: node %s asked for %s's session; answering without every other node's replay "
+                        "after %.0f s", requester, cid, waited)
         router = self.router
         session = router.release_session(cid)
         if session is None:

@@ -107,7 +107,7 @@ endif
 test-deps: $(VENV)/.stamp-test debian-test-deps npm-test-deps
 
 test: test-deps
-	PATH="$(abspath $(NPM_PREFIX))/node_modules/.bin:$$PATH" WRENMQ_TEST_NO_SKIP=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	PATH="$(abspath $(NPM_PREFIX))/node_modules/.bin:$$PATH" WRENMQ_TEST_NO_SKIP=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not chaos" $(PYTEST_ARGS)
 
 # --- bench -------------------------------------------------------------------
 
@@ -173,6 +173,7 @@ sim: $(VENV)/.stamp-install
 # (adds the loss of a node for good), ARGS="--faults kill9,pause" for a subset.
 chaos: test-deps
 	$(PY) tests/chaos.py --rounds $${ROUNDS:-3} $(if $(SEED),--seed $(SEED)) $(ARGS)
+	$(PY) -m pytest -m chaos tests/
 
 # --- demo --------------------------------------------------------------------
 

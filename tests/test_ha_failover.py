@@ -124,6 +124,7 @@ def test_kill_9_of_a_leader_under_qos1_and_qos2_load(cluster):
     assert measured["failover"] < cl.lease_ttl + 8, measured
 
 
+@pytest.mark.chaos  # fails some runs: docs/CLUSTER.md, "Not holding yet"
 def test_with_replication_a_node_lost_for_good_loses_nothing_acknowledged(cluster):
     """The scenario of test_cluster_harness.py's
     test_without_replication_a_node_lost_for_good_loses_acknowledged_messages, with

@@ -169,6 +169,12 @@ def test_a_node_whose_etcd_member_is_killed_stays_in_the_cluster(cluster, member
         assert "joining again" not in cl.nodes[n].log
 
 
+# The bridge test's lease: killing the member that leads etcd costs an election of a
+# second or more before any member answers, which a 4 s lease, held with a 1 s margin,
+# does not always leave room for.
+BRIDGE_LEASE_TTL = 8
+
+
 def test_the_node_holding_a_bridge_keeps_it_when_its_etcd_member_is_killed(tmp_path, serve_broker, mosquitto,
                                                                             members):
     """Two nodes with one bridge, both on etcd member 0 first: member 0 is killed; the
@@ -181,7 +187,7 @@ def test_the_node_holding_a_bridge_keeps_it_when_its_etcd_member_is_killed(tmp_p
 
     def node(n):
         cluster = (f'[cluster]\nenabled = true\nname = "{name}"\nnode = "{n}"\netcd = {json.dumps(eps)}\n'
-                   f'port = {free_port()}\nlease_ttl = {LEASE_TTL}\n')
+                   f'port = {free_port()}\nlease_ttl = {BRIDGE_LEASE_TTL}\n')
         return serve_broker(edge_config(remote.port, topics, extra=cluster), args=("--data-dir", n))
     nodes = {"a": node("a"), "b": node("b")}
     key = f"/wrenmq/{name}/bridges/cloud"
@@ -202,7 +208,7 @@ def test_the_node_holding_a_bridge_keeps_it_when_its_etcd_member_is_killed(tmp_p
 
     killed_at = time.monotonic()
     members.kill(eps[0])
-    time.sleep(max(0.0, killed_at + EXPIRED_AFTER - time.monotonic()))
+    time.sleep(max(0.0, killed_at + BRIDGE_LEASE_TTL + 3 - time.monotonic()))
     # Past the lease's TTL: the holder's key is the one it created, on the same lease, and
     # the holder did not let go of the bridge.
     assert members.entries(key).get(key) == held, (held, members.entries(key))

@@ -126,7 +126,10 @@ class Ownership:
                 raise
             except Exception as e:
                 self._lost(e)
-            await asyncio.sleep(RETRY[min(self._attempt, len(RETRY) - 1)])
+            # While it holds bridges on a lease it cannot renew, the node tries the next
+            # member at the first step's pace: an etcd election takes a second or more, and
+            # a longer wait could let the lease's margin pass with a member already back.
+            await asyncio.sleep(RETRY[0] if self.held else RETRY[min(self._attempt, len(RETRY) - 1)])
             self._attempt += 1
 
     async def _hold(self):

@@ -156,10 +156,10 @@ def test_bench_against_mosquitto(mosquitto):
 
 
 def test_bench_says_when_the_client_is_the_limit(admin):
-    r, _ = bench(admin.port, "--clients", "20", "--interval", "0.0001", "--duration", "1")
+    r, _ = bench(admin.port, "--clients", "20", "--interval", "0.000001", "--duration", "1")
     assert not r["errors"] and r["duration"] >= 1.0, r
     assert r["client_limited"] is True and r["sent_per_sec"] < r["target_msgs_per_sec"], r
-    out = subprocess.run([WRENMQ, "bench", "--port", str(admin.port), "--clients", "20", "--interval", "0.0001",
+    out = subprocess.run([WRENMQ, "bench", "--port", str(admin.port), "--clients", "20", "--interval", "0.000001",
                           "--duration", "1"], capture_output=True, text=True, timeout=60)
     assert "could not keep the pace" in out.stdout
 

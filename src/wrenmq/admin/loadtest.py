@@ -134,9 +134,10 @@ class Run:
         T = self.n_topics
         while True:
             due = t0 + m * a.interval
-            if due >= stop_at:
-                return
-            delay = due - time.perf_counter()
+            now = time.perf_counter()
+            if due >= stop_at or now >= stop_at:
+                return  # (at --duration: a client behind its pace does not make up the rest)
+            delay = due - now
             if delay > 0:
                 await asyncio.sleep(delay)
             k = (i + m) % T

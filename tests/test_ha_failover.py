@@ -218,6 +218,7 @@ def test_a_node_lost_for_good_is_replaced_by_an_empty_one_that_catches_up(cluste
     assert "receiving a state snapshot" in cl["a"].log, "the empty node did not catch up by snapshot"
 
 
+@pytest.mark.chaos  # a rare QoS 2 duplicate: docs/CLUSTER.md, "Not holding yet"
 def test_a_zombie_leader_acknowledges_nothing_after_waking(cluster, raw_client):
     """Node a is stopped (SIGSTOP) past its lease under load: the others take its partition
     over. A QoS 1 PUBLISH sent to a meanwhile is not acknowledged when a wakes (its lease ran

@@ -547,6 +547,7 @@ def test_a_stream_that_fails_after_its_status_cuts_the_connection():
 
     def serve():
         loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)  # (gather() with no tasks left asks the thread for its loop)
         box["loop"] = loop
         server = loop.run_until_complete(loop.create_server(lambda: HttpConnection(app), "127.0.0.1", 0))
         box["port"] = server.sockets[0].getsockname()[1]
@@ -616,6 +617,7 @@ def test_a_stream_from_a_thread_goes_chunk_by_chunk_and_stops_with_its_reader():
 
     def serve():
         loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)  # (gather() with no tasks left asks the thread for its loop)
         box["loop"] = loop
         server = loop.run_until_complete(loop.create_server(lambda: HttpConnection(app), "127.0.0.1", 0))
         box["port"] = server.sockets[0].getsockname()[1]

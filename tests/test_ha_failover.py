@@ -269,6 +269,11 @@ def test_status_shows_the_partitions_and_reassign_moves_a_lost_nodes_replicas(cl
         cl[n].wait_serving()
     wait_for(lambda: partitions_whole(cl, "abc"), 60, 0.25)
     assert partitions_whole(cl, "abc"), records(cl)
+    # (a follower's lag is known once the leader has answered its first fetch, and the
+    # figures reach etcd on the leader's next status write)
+    lags_known = lambda: all(v["lag"] is not None for row in status_json(cl, "a")["partitions"].values()  # noqa: E731
+                             for v in row["replicas"].values())
+    wait_for(lags_known, 20, 0.5)
     out = status_json(cl, "a")
     parts = out["partitions"]
     assert set(parts) == {"a", "b", "c"}

@@ -865,3 +865,16 @@ def under_load(cluster, fault, *, rate=10.0, failover="home", before=2.0, after=
     finally:
         watch.stop()
         w.close()
+
+
+def link_certificates(tmp_path):
+    """[cluster] TLS settings of nodes one CA signed, and the files of a rogue node's (another CA)."""
+    import trustme
+
+    files = {}
+    for name, issuer in (("good", trustme.CA()), ("rogue", trustme.CA())):
+        cert = issuer.issue_cert("127.0.0.1")
+        files[name] = (tmp_path / f"{name}.pem", tmp_path / f"{name}-ca.pem")
+        cert.private_key_and_cert_chain_pem.write_to_path(str(files[name][0]))
+        issuer.cert_pem.write_to_path(str(files[name][1]))
+    return {"tls": True, "certfile": str(files["good"][0]), "cafile": str(files["good"][1])}, files

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from cluster_harness import link_certificates
 from conftest import WRENMQ, ServedBroker, free_port, paho_client
 from mqtt_helpers import drain, pprops, publish, sub, uid, wait_for
 from wrenmq.cluster import frames as F
@@ -952,19 +953,6 @@ def test_wrong_secret_link_is_refused(cluster):
     assert drain(s, 0.5) == []
     assert "wrong cluster or secret" in cl.nodes["a"].log
     assert bad.proc.poll() is None  # both nodes keep serving their own clients
-
-
-def link_certificates(tmp_path):
-    """[cluster] TLS settings of nodes one CA signed, and the files of a rogue node's (another CA)."""
-    import trustme
-
-    files = {}
-    for name, issuer in (("good", trustme.CA()), ("rogue", trustme.CA())):
-        cert = issuer.issue_cert("127.0.0.1")
-        files[name] = (tmp_path / f"{name}.pem", tmp_path / f"{name}-ca.pem")
-        cert.private_key_and_cert_chain_pem.write_to_path(str(files[name][0]))
-        issuer.cert_pem.write_to_path(str(files[name][1]))
-    return {"tls": True, "certfile": str(files["good"][0]), "cafile": str(files["good"][1])}, files
 
 
 def test_links_over_mutual_tls(cluster, tmp_path):

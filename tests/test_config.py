@@ -218,8 +218,6 @@ ERRORS = [
      "3 needs a cluster"),
     ("cluster-replicas-in-memory", '[storage]\nmode = "memory"\n[cluster]\nenabled = true\nreplicas = 3\n',
      "cluster.replicas", 'needs [storage] mode = "disk"'),
-    ("cluster-replicas-over-tls", '[storage]\nmode = "disk"\n[cluster]\nenabled = true\nreplicas = 3\ntls = true\n'
-     'certfile = "/etc/hostname"\ncafile = "/etc/hostname"\n', "cluster.replicas", "needs plain links"),
     ("cluster-fetch-timeout-under-heartbeat", '[storage]\nmode = "disk"\n[cluster]\nenabled = true\nreplicas = 3\n'
      "replica_heartbeat_ms = 500\nreplica_fetch_timeout_ms = 500\n", "cluster.replica_fetch_timeout_ms",
      "must be more than replica_heartbeat_ms"),

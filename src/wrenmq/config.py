@@ -682,8 +682,7 @@ def _validate_cluster(src, c, storage_mode):
         if c.replica_fetch_timeout_ms <= c.replica_heartbeat_ms:
             fail("replica_fetch_timeout_ms", f"must be more than replica_heartbeat_ms ({c.replica_heartbeat_ms})")
         for needed, what in ((c.enabled, "a cluster (enabled = true)"), (storage_mode == "disk", "[storage] mode "
-                             "= \"disk\" (the replicas are copies of the commit log)"), (not c.tls, "plain links "
-                             "(tls = false: the replication port does not speak TLS yet)")):
+                             "= \"disk\" (the replicas are copies of the commit log)")):
             if not needed:
                 fail("replicas", f"{c.replicas} needs {what}")
 

@@ -32,6 +32,7 @@ from ...config import cluster_node_name
 from ...store.replica import ReplicaError
 from ...store.replicated import ReplicatedStore
 from ..extension import ClusterExtension
+from ..links import tls_contexts
 from .control import Control
 from .following import Following
 from .hosting import hosted_broker, hosted_config, partition_dir
@@ -63,6 +64,7 @@ class Partitions:
         self.make_own_broker = make_own_broker
         self.loop = None
         self.port = None
+        self.tls_server = self.tls_client = None  # [cluster] tls: links.tls_contexts
         self.control = None
         self.advertise = None
         self.leaders = {}  # partition -> Leading
@@ -97,7 +99,9 @@ class Partitions:
         self._stopped = asyncio.Event()
         cfg = self.cluster_cfg
         self.reads = reader_pool()
-        self.port = LinkPort(cfg, lambda: ServeLink(self))
+        if cfg.tls:
+            self.tls_server, self.tls_client = tls_contexts(cfg)
+        self.port = LinkPort(cfg, lambda: ServeLink(self), self.tls_server, self.config.limits.connect_timeout)
         port = await self.port.listen()
         self.advertise = cfg.advertise or f"{cfg.bind}:{port}"
         self.control = Control(cfg, self.node, self.advertise, self._changed, self._new_incarnation)
@@ -480,7 +484,11 @@ class Partitions:
             f.received(link, frame)
 
     def client_tls(self, host):
-        return {}
+        """create_connection's TLS arguments for a fetch link to `host` ([cluster] tls)."""
+        if self.tls_client is None:
+            return {}
+        return {"ssl": self.tls_client, "server_hostname": host,
+                "ssl_handshake_timeout": self.config.limits.connect_timeout}
 
     def replica_failed(self, p):
         f = self.followers.pop(p, None)

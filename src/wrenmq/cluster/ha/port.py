@@ -7,12 +7,17 @@ first frame of every connection: a replication HELLO (replication_frames: a vers
 first) goes to the partitions' manager (wire.py), a node link's HELLO (frames.py: JSON)
 to the links of this node's own broker while it runs (links.py `accept_link`), else the
 connection is closed. Both HELLOs are frame kind 1; their bodies tell them apart.
+
+With `[cluster] tls` every connection runs the mutual TLS handshake first (net/tls.py),
+so replication and node links are both encrypted and both need a certificate the
+cluster's CA signed; handshakes in progress count against MAX_UNSORTED.
 """
 
 import asyncio
 import logging
 import struct
 
+from ...net.tls import TLSPort, accept_tls
 from .. import frames as F
 
 log = logging.getLogger("wrenmq.cluster.ha")
@@ -36,7 +41,7 @@ class _Sniffer(asyncio.Protocol):
     def connection_made(self, transport):
         self.transport = transport
         port = self.port
-        if port.unsorted >= MAX_UNSORTED:
+        if port.unsorted + port.handshakes >= MAX_UNSORTED:
             log.warning("cluster: refusing a connection to the link port: %d have not said what they are",
                         port.unsorted)
             transport.abort()
@@ -102,24 +107,55 @@ class _Sniffer(asyncio.Protocol):
             self.inner.connection_lost(exc)
 
 
+class _Refused(asyncio.Protocol):
+    """A socket accepted past MAX_UNSORTED: closed at once, before any TLS."""
+
+    def connection_made(self, transport):
+        transport.abort()
+
+
 class LinkPort:
     """`[cluster] bind`:`port`, for the process: replication connections go to
     `replication_protocol()` (a factory the manager gives), node links to the Links that
-    `serve_links` named (the own broker's), while it does."""
+    `serve_links` named (the own broker's), while it does. `tls_server`: the server SSL
+    context of [cluster] tls (links.tls_contexts), or None; `handshake_timeout`: seconds
+    a TLS handshake may take."""
 
-    def __init__(self, cfg, replication_protocol):
+    def __init__(self, cfg, replication_protocol, tls_server=None, handshake_timeout=10.0):
         self.cfg = cfg
         self.replication_protocol = replication_protocol
         self.server = None
         self.port = None
         self.unsorted = 0
+        self.handshakes = 0  # accepted sockets in their TLS handshake
         self._links = None
+        self._tasks = set()
+        self._tls = None if tls_server is None else \
+            TLSPort(f"cluster link port {cfg.bind}:{cfg.port}", tls_server, handshake_timeout, self._spawn)
 
     async def listen(self):
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: _Sniffer(self), self.cfg.bind, self.cfg.port)
+        self.server = await loop.create_server(self._accept, self.cfg.bind, self.cfg.port)
         self.port = self.server.sockets[0].getsockname()[1]
         return self.port
+
+    def _accept(self):
+        if self.unsorted + self.handshakes >= MAX_UNSORTED:
+            log.warning("cluster: refusing a connection to the link port: %d have not said what they are "
+                        "(%d in their TLS handshake)", self.unsorted + self.handshakes, self.handshakes)
+            return _Refused()
+        if self._tls is None:
+            return _Sniffer(self)
+        self.handshakes += 1
+        return accept_tls(_Sniffer(self), self._tls, self._handshake_over)
+
+    def _handshake_over(self):
+        self.handshakes -= 1
+
+    def _spawn(self, coro):
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def link_protocol(self):
         links = self._links
@@ -136,3 +172,5 @@ class LinkPort:
     def close(self):
         if self.server is not None:
             self.server.close()
+        for task in list(self._tasks):
+            task.cancel()

@@ -19,6 +19,7 @@ started under its name). Without replication, clients reconnect to their own nod
 """
 
 import argparse
+import pickle
 import random
 import shutil
 import sys
@@ -162,7 +163,8 @@ def main(argv=None):
     ap.add_argument("--before", type=float, default=2.0, help="seconds of load before each fault")
     ap.add_argument("--after", type=float, default=2.0, help="seconds of load after the cluster recovered")
     ap.add_argument("--recover", type=float, default=60.0, help="seconds the cluster may take to recover")
-    ap.add_argument("--keep", action="store_true", help="keep the nodes' data and logs")
+    ap.add_argument("--keep", action="store_true", help="keep the nodes' data and logs, and what each client saw per fault "
+                    "(clients-<round>-<fault>.pickle: the checker's PublisherLog and SubscriberLog lists)")
     args = ap.parse_args(argv)
     if args.seed is None:
         args.seed = random.randrange(1 << 32)
@@ -182,6 +184,9 @@ def main(argv=None):
                 what, report = chaos.run_fault(fault)
                 results.setdefault(fault, []).append(report)
                 failed |= not report.ok
+                if args.keep and getattr(report, "clients", None) is not None:
+                    with open(tmp / f"clients-{rnd}-{fault}.pickle", "wb") as f:
+                        pickle.dump(report.clients, f)
                 print(f"[round {rnd}] {fault}: {what} ({time.monotonic() - started:.0f} s)\n  "
                       f"{'ok' if report.ok else 'FAILED'}: {report.summary()}", flush=True)
     except KeyboardInterrupt:

@@ -278,7 +278,12 @@ class Publisher(_Client):
             self.anomalies.append(f"unexpected {pkt!r}"[:200])
             return
         seq = entry[0]
-        if pkt.reason_code >= 0x80:  # refused (MQTT 5): not acknowledged; sent again shortly
+        # A failure code refuses a PUBLISH (PUBACK, PUBREC: sent again shortly as a new
+        # message), never a PUBREL: past PUBREC the broker owns the message and the client
+        # must not publish it again (MQTT-4.3.3-4). PUBCOMP 0x92 (packet id not found) says
+        # the release reached the broker before (its PUBCOMP was lost with a connection):
+        # the exchange is over, and the message counts as acknowledged (owed to subscribers).
+        if pkt.reason_code >= 0x80 and t != C.PUBCOMP:
             del self.inflight[pkt.packet_id]
             self.log.refused += 1
             self.retry.append(seq)

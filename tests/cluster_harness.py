@@ -824,6 +824,7 @@ def finish(cluster, workload, drain=60.0, settle=60.0, propagation=10.0):
     ownership = settled(lambda: cluster.ownership(clients, workload.client_prefix), lambda o: o["bad"], propagation)
     report = check(pubs, subs, retained, ownership, workload.stopped_at)
     report.pending = pending
+    report.clients = (pubs, subs)  # (what each client saw: chaos.py --keep saves it)
     for cid, seen in workload.anomalies().items():
         report.protocol_errors += len(seen)
         report.details.append(f"{cid}: {len(seen)} packet(s) no broker should send, e.g. {seen[0]}")

@@ -15,9 +15,9 @@ import pytest
 
 from cluster_harness import WRENMQ, Cluster, EtcdCluster, link_certificates, under_load
 from conftest import paho_client
-from mqtt_helpers import drain, publish, raw_connect, sub, uid, wait_for
+from mqtt_helpers import drain, publish, raw_connect, raw_next, sub, uid, wait_for
 from wrenmq.mqtt import constants as C
-from wrenmq.mqtt.packets import Connect, Publish
+from wrenmq.mqtt.packets import Connect, Publish, Pubrel
 
 HA = {"replicas": 3, "min_insync": 2, "replica_lag_ms": 2000, "replica_heartbeat_ms": 200,
       "replica_fetch_timeout_ms": 1500}
@@ -255,6 +255,71 @@ def test_a_zombie_leader_acknowledges_nothing_after_waking(cluster, raw_client):
     assert report.ok and report.lost == report.duplicates == 0, report.summary()
     assert not any(p.TYPE == C.PUBACK and p.reason_code < 0x80 for p in seen["packets"]), seen
     assert [p.reason_code for p in seen["packets"] if p.TYPE == C.DISCONNECT] in ([C.USE_ANOTHER_SERVER], []), seen
+
+
+def test_a_node_cut_from_etcd_answers_its_clients_nothing_once_it_stopped_leading(cluster, raw_client):
+    """Node a is cut from etcd (its links stay up) while a client there has a QoS 2 message
+    past PUBREC. Once a's lease is in doubt it stops leading its partition, and what it would
+    say from then on is not committed: its broker, whose leave of the cluster waits for the
+    etcd it cannot reach (`etcd_timeout`, long here), must not answer the client meanwhile.
+    Were it to answer the PUBREL with PUBCOMP, the release (never committed) would be
+    unknown to the broker that takes a's partition over, which still holds the packet id:
+    the client, reusing the id for its next message on another node, would have that
+    message taken for a resend and never delivered."""
+    cl = cluster(etcd_timeout=6.0)
+    cl.start()
+    wait_whole(cl)
+    a, b = cl["a"], cl["b"]
+    s = paho_client(cl["c"].port, version=5)
+    assert sub(s, "cut/#", 2) == [2]
+    cid = uid("cut")
+    expiry = {"session_expiry_interval": 3600}
+    try:
+        c, ack = raw_connect(raw_client, a.port, C.MQTT5, client_id=cid, clean_start=False, properties=expiry)
+        assert ack.TYPE == C.CONNACK and ack.reason_code == 0, ack
+        c.send(Publish("cut/1", b"first", qos=2, packet_id=1))
+        rec = raw_next(c, C.PUBREC)
+        assert rec is not None and rec.reason_code == 0, rec
+        fenced = len(a.log.split("partition a: no longer leading epoch"))
+        cl.cut_from_etcd("a")
+        assert wait_for(lambda: len(a.log.split("partition a: no longer leading epoch")) > fenced, 30, 0.05), \
+            "node a went on leading its partition without etcd"
+        try:
+            c.send(Pubrel(1))
+        except OSError:  # (a closed the connection already)
+            pass
+        after = []
+        while True:
+            try:
+                pkt = c.recv(15)
+            except (TimeoutError, OSError):
+                break
+            if pkt is None:
+                break
+            after.append(pkt)
+        completed = any(p.TYPE == C.PUBCOMP for p in after)
+        # The client goes on elsewhere as MQTT says: the release again if it had no PUBCOMP,
+        # then its next message under the packet id it holds free.
+        c2 = raw_client(b.port, C.MQTT5, timeout=40)
+        c2.send(Connect(cid, version=C.MQTT5, clean_start=False, properties=expiry))
+        ack = c2.recv(40)
+        assert ack.TYPE == C.CONNACK and ack.reason_code == 0 and ack.session_present, ack
+        if not completed:
+            c2.send(Pubrel(1))
+            assert raw_next(c2, C.PUBCOMP, 20) is not None
+        c2.send(Publish("cut/2", b"second", qos=2, packet_id=1))
+        rec = raw_next(c2, C.PUBREC, 20)
+        assert rec is not None and rec.reason_code == 0, rec
+        c2.send(Pubrel(1))
+        assert raw_next(c2, C.PUBCOMP, 20) is not None
+        got = []
+        wait_for(lambda: got.extend(m.payload for m in drain(s)) or len(got) >= 2, 20, 0.2)
+        assert got == [b"first", b"second"], f"{got}; node a said after it stopped leading: {after}"
+        assert [p.TYPE for p in after] in ([C.DISCONNECT], []), after
+    finally:
+        cl.heal()
+        s.disconnect()
+        s.loop_stop()
 
 
 def test_status_shows_the_partitions_and_reassign_moves_a_lost_nodes_replicas(cluster):

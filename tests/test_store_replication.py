@@ -7,6 +7,7 @@ replicated store is killed with SIGKILL. No mocks.
 """
 
 import asyncio
+import json
 import os
 import signal
 import sqlite3
@@ -320,6 +321,42 @@ def test_apply_through_at_open_and_a_store_that_was_not_replicated(tmp_path):
         st.close()
         batches = list(LogReader(st.log_dir).batches())
         assert [(x.base, x.count, x.attrs, x.epoch) for x in batches] == [(0, 1, 0, 0), (1, 2, ATTR_STATE, 4)]
+
+    asyncio.run(main())
+
+
+def test_the_meta_a_broker_reads_at_start_is_the_one_applied_at_a_takeover(tmp_path):
+    """A follower applies state records only up to the HW it knew; a new leader applies the
+    rest when it takes over (`apply_through`, before its broker starts). The META values
+    the broker reads at start (the cluster's marks in the other nodes' logs, with which
+    they resume their replays to it) are those of that apply: a mark the follower had
+    applied would be older than the QoS 2 deliveries the sessions now hold in flight, and
+    the other nodes would replay those messages to them once more."""
+    def mark(offset):
+        return json.dumps({"c": ["log-of-c", offset, "run-of-c"]})
+
+    async def main():
+        st = ReplicatedStore(config(tmp_path))
+        st.start(asyncio.get_running_loop())
+        st.append_record(T0, 2, False, b"fleet/1", "dev-1", b"", b"one")
+        st.set_meta("cluster_applied", mark(558))
+        st.seal()
+        await until(lambda: st.local_durable_end == st.next_offset, what="the first epoch written")
+        await committed(st, st.next_offset)
+        st.append_record(T0 + 1000, 2, False, b"fleet/1", "dev-1", b"", b"two")
+        st.op(S.OUT_SET, ("dev-1", 2, 238, 2, 0, 0))
+        st.set_meta("cluster_applied", mark(571))
+        st.seal()
+        await until(lambda: st.local_durable_end == st.next_offset, what="the second epoch written")
+        end = st.next_offset
+        st.close()  # (the second epoch's state not applied: the HW did not pass it)
+
+        taking_over = ReplicatedStore(config(tmp_path))
+        assert json.loads(taking_over.meta_at_open["cluster_applied"])["c"][1] == 558
+        assert taking_over.apply_through(end) == end
+        assert json.loads(taking_over.meta_at_open["cluster_applied"])["c"][1] == 571
+        assert taking_over.db.conn.execute("SELECT packet_id FROM outgoing").fetchall() == [(238,)]
+        taking_over.close()
 
     asyncio.run(main())
 

@@ -237,14 +237,20 @@ class Broker:
         partition's leader that lost its leadership: what it held was not committed)."""
         if not self.running:
             return
-        if discard_held:
-            self._discarding = True  # (holding() is False from now on: nothing waits for the store)
-            self._held.clear()
-            for conn in list(self.connections):
-                conn.take_output()  # produced for records that are not committed: never sent
         self.running = False
         for server in self._servers:
             server.close()
+        if discard_held:
+            self._discarding = True  # (holding() is False from now on: nothing waits for the store)
+            self._held.clear()
+            # The clients go now, not after the extensions stop (a cluster's leave can wait
+            # etcd_timeout for an etcd it was cut from): from here on output is written
+            # without the store, so a client still connected would be given what was never
+            # committed (acknowledgements, PUBCOMPs, deliveries). Each connection drops what
+            # is queued for it (what closing the others queued too) before its DISCONNECT.
+            for conn in list(self.connections):
+                conn.take_output()  # produced for records that are not committed: never sent
+                conn.close(reason)
         # In the reverse of their start's order: the cluster, which joined before the
         # listeners opened, leaves last (the other nodes stop sending here at once).
         await self._stop_extensions([ext for ext in self.extensions if ext.before_listeners] +

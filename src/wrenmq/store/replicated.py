@@ -249,6 +249,11 @@ class ReplicatedStore(Store):
         if self._thread is not None:
             raise RuntimeError("apply_through() is for before start(); commit() after")
         self._apply(min(offset, self.log.end_offset), True)
+        # What the broker reads from META at start (the cluster's marks in the other nodes'
+        # logs, the bridges' cursors) is what the records just applied say: a mark as
+        # the follower had applied it would be older than the deliveries the sessions now
+        # hold, and the other nodes would replay those messages to them again.
+        self.meta_at_open = self.db.meta()
         if self.applied_through > self.hw:
             self.hw = self._commit_hw = self.applied_through
         return self.applied_through

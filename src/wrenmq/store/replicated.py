@@ -18,6 +18,11 @@ then, and `ReplicatedStore` is a `Store` that does them:
   the replication layer answers fetches with them) and local durability
   (`on_local_durable`), and `on_durable(epoch id)` comes only for epochs that end at or
   below both the HW and the local durable end.
+- The writer reads back each batch it wrote (from the page cache, before it syncs) and
+  hands the bytes to the loop with the report, which keeps the last RECENT_BYTES of them
+  (`recent_batches`): a follower waiting at the log end is answered from memory at once,
+  not after a read in another thread (two thread hand-overs, a quarter of a replicated
+  record's way to its acknowledgement on a loaded machine, docs/BENCHMARKS.md).
 
 "Durable" for replication means what the broker's acknowledgements mean without it:
 fsynced under `[storage] fsync = "always"`, written (in the page cache, which outlives a
@@ -38,7 +43,7 @@ import time
 from ._epoch import FIXED, FIXED_SIZE
 from .files import fsync_dir, write_atomic
 from .format import ATTR_STATE, STATE_FLAGS, Batch, CorruptBatch
-from .reader import RawReader
+from .reader import LogRangeError, RawReader
 from .state import META_SET, decode_ops, encode_ops
 from .store import Store, compiled_write, encode_epochs
 
@@ -47,6 +52,9 @@ log = logging.getLogger("wrenmq.store")
 EPOCHS_FILE = "leader-epochs"  # the leader-epoch history, next to the partition's segments
 _META_EVERY = 1.0  # seconds applied_through may lag in the database while no state record applies
 _MAX_ENDS = 4096  # (epoch id, end) pairs kept for the release at the HW (then the last is replaced)
+# Bytes of the batches last written that the loop keeps for followers fetching at the log
+# end (`recent_batches`); one read-back by the writer carries at most this much.
+RECENT_BYTES = 2 << 20
 _WAKE = ("wake",)
 
 
@@ -149,7 +157,8 @@ class ReplicatedStore(Store):
     Everything `Store` does, with these differences (module docstring): state operations
     go into the log as state records and are applied when committed; `on_durable(eid)`
     waits for the HW. From the event loop: `commit(hw)`, `set_leader_epoch`,
-    `save_epochs`, `snapshot`, `raw_reader`; before `start`: `apply_through`. The
+    `save_epochs`, `snapshot`, `raw_reader`, `recent_batches`; before `start`:
+    `apply_through`. The
     callbacks `on_appended(end)`, `on_local_durable(end)` and `on_log_start(start)` run
     on the loop.
     """
@@ -181,10 +190,14 @@ class ReplicatedStore(Store):
         self._meta_time = time.monotonic()
         self._commit_hw = self.applied_through  # the HW the loop last told the writer
         self._heads = RawReader(self.log_dir)  # the writer's walk over batch headers
+        self._tail_reader = RawReader(self.log_dir)  # the writer's read-back of what it wrote
+        self._reported_end = self.next_offset  # writer-owned: the end its last report gave
         # Loop-owned: the HW known, what the writer reported, epochs waiting for the HW.
         self.hw = self.applied_through
         self.appended_end = self.local_durable_end = self.next_offset
         self._ends = collections.deque()  # (epoch id, end offset) per writer report
+        self._recent = collections.deque()  # RawBatch: the last ones written, contiguous
+        self._recent_bytes = 0
         self.log.limit_marks(self.applied_through)
         if self._apply_at_open is not None:
             self.apply_through(self._apply_at_open)
@@ -258,8 +271,50 @@ class ReplicatedStore(Store):
             self.hw = self._commit_hw = self.applied_through
         return self.applied_through
 
-    def _appended(self, end):
-        """Loop: the log is written (readable) up to `end`."""
+    def recent_batches(self, start, end, max_bytes):
+        """The batches from offset `start` (a batch's base) on, none reaching past `end`, at
+        most `max_bytes` together (at least one), from those the writer read back last; None
+        if they do not hold the batch at `start` (read the log then: `raw_reader`)."""
+        recent = self._recent
+        if not recent or start < recent[0].base or start >= recent[-1].base + recent[-1].count:
+            return None
+        i = len(recent) - 1
+        while recent[i].base > start:
+            i -= 1
+        if recent[i].base != start:
+            return None
+        out = []
+        total = 0
+        n = len(recent)
+        while i < n:
+            b = recent[i]
+            if b.base + b.count > end or (out and total + len(b.data) > max_bytes):
+                break
+            out.append(b)
+            total += len(b.data)
+            if total >= max_bytes:
+                break
+            i += 1
+        return out or None
+
+    def _keep_recent(self, batches):
+        recent = self._recent
+        if recent and recent[-1].base + recent[-1].count != batches[0].base:
+            recent.clear()  # (a read-back fell short: the batches kept no longer lead on)
+            self._recent_bytes = 0
+        n = self._recent_bytes
+        for b in batches:
+            recent.append(b)
+            n += len(b.data)
+        while n > RECENT_BYTES and len(recent) > 1:
+            n -= len(recent.popleft().data)
+        self._recent_bytes = n
+
+    def _appended(self, end, batches=None):
+        """Loop: the log is written (readable) up to `end`; `batches`: those written since
+        the last report, as the writer read them back (None if it could not)."""
+        if batches:
+            self._keep_recent(batches)
         if end > self.appended_end:
             self.appended_end = end
             if self.on_appended is not None:
@@ -322,9 +377,21 @@ class ReplicatedStore(Store):
         return log_.append(data, base, count, first_ts, max_ts)
 
     def _report_appended(self, through):
+        """Tell the loop the log is written up to `through`, with the batches written since
+        the last report, read back while they are in the page cache (a follower at the log
+        end gets them from memory: `recent_batches`)."""
+        start = self._reported_end
+        if through <= start:
+            return
+        self._reported_end = through
+        try:
+            batches = self._tail_reader.batches(start, through, RECENT_BYTES)
+        except (LogRangeError, CorruptBatch, OSError) as e:
+            log.debug("reading back offsets %d-%d failed (%s): followers read them from the log", start, through, e)
+            batches = None
         if self.loop is not None:
             try:
-                self.loop.call_soon_threadsafe(self._appended, through)
+                self.loop.call_soon_threadsafe(self._appended, through, batches)
             except RuntimeError:  # loop closed during shutdown
                 pass
 

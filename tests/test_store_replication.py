@@ -190,6 +190,40 @@ def test_output_is_released_in_order_only_once_the_hw_passes_it(tmp_path, fsync)
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("fsync", ["always", "interval", "never"])
+def test_the_batches_just_written_are_on_the_loop_as_the_log_holds_them(tmp_path, fsync):
+    """A follower fetching at the leader's log end is answered from the batches the writer
+    read back (recent_batches), not after a read in another thread: each written batch is
+    there, byte for byte the log's, from the moment the loop hears it was written."""
+    async def main():
+        seen = []
+        leader = ReplicatedStore(config(tmp_path, fsync), on_appended=lambda end: seen.append(
+            (end, leader.recent_batches(start, end, 1 << 20))))
+        leader.start(asyncio.get_running_loop())
+        reader = leader.raw_reader()
+        start = leader.next_offset
+        for i in range(5):
+            start = leader.next_offset
+            await write_epoch(leader, i, records=4)
+        ends = [end for end, _ in seen]
+        assert ends and ends[-1] == leader.appended_end
+        for end, held in seen:
+            assert held is not None, f"nothing held on the loop when the log was written up to {end}"
+        held = leader.recent_batches(0, leader.appended_end, 1 << 20)
+        assert held == reader.batches(0, leader.appended_end, 1 << 20)
+        assert sum(b.count for b in held) == leader.appended_end
+        # At most `max_bytes` (but one batch at least), none past `end`; a start inside a
+        # batch or past the end is not held (the caller reads the log then).
+        assert leader.recent_batches(0, leader.appended_end, 1) == held[:1]
+        assert leader.recent_batches(0, held[1].base, 1 << 20) == held[:1]
+        assert leader.recent_batches(held[1].base, leader.appended_end, 1 << 20) == held[1:]
+        assert leader.recent_batches(1, leader.appended_end, 1 << 20) is None
+        assert leader.recent_batches(leader.appended_end, leader.appended_end + 5, 1 << 20) is None
+        leader.close()
+
+    asyncio.run(main())
+
+
 def test_the_brokers_reads_leave_state_records_out(tmp_path):
     async def main():
         leader = ReplicatedStore(config(tmp_path, fsync="never"))

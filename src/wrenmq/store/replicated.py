@@ -55,6 +55,7 @@ _MAX_ENDS = 4096  # (epoch id, end) pairs kept for the release at the HW (then t
 # Bytes of the batches last written that the loop keeps for followers fetching at the log
 # end (`recent_batches`); one read-back by the writer carries at most this much.
 RECENT_BYTES = 2 << 20
+_MAX_READ_BACK = 16  # read-backs waiting for the loop; past it, followers read from the log
 _WAKE = ("wake",)
 
 
@@ -192,6 +193,10 @@ class ReplicatedStore(Store):
         self._heads = RawReader(self.log_dir)  # the writer's walk over batch headers
         self._tail_reader = RawReader(self.log_dir)  # the writer's read-back of what it wrote
         self._reported_end = self.next_offset  # writer-owned: the end its last report gave
+        # (end, batches) read back and not yet handed over: the writer appends, the loop
+        # takes them with the next `_written` report (fsync "interval" and "never", where
+        # that report comes right after the write when anything waits for it).
+        self._read_back = collections.deque()
         # Loop-owned: the HW known, what the writer reported, epochs waiting for the HW.
         self.hw = self.applied_through
         self.appended_end = self.local_durable_end = self.next_offset
@@ -327,6 +332,9 @@ class ReplicatedStore(Store):
         tail = self._tail
         while tail and tail[0] is not self._epoch and tail[0].end <= through:
             tail.popleft()
+        read_back = self._read_back
+        while read_back:
+            self._appended(*read_back.popleft())
         self._appended(through)
         if through > self.local_durable_end:
             self.local_durable_end = through
@@ -377,19 +385,26 @@ class ReplicatedStore(Store):
         return log_.append(data, base, count, first_ts, max_ts)
 
     def _report_appended(self, through):
-        """Tell the loop the log is written up to `through`, with the batches written since
-        the last report, read back while they are in the page cache (a follower at the log
-        end gets them from memory: `recent_batches`)."""
+        """The log is written up to `through`: read back the batches written since the last
+        report while they are in the page cache (a follower at the log end gets them from
+        memory: `recent_batches`) and tell the loop: at once under fsync "always" (followers
+        fetch them while this syncs), else with the `_written` report that follows (which
+        comes at once when anything waits for these records, and a QoS 0 flood's do not
+        wake the loop once per round)."""
         start = self._reported_end
         if through <= start:
             return
         self._reported_end = through
-        try:
-            batches = self._tail_reader.batches(start, through, RECENT_BYTES)
-        except (LogRangeError, CorruptBatch, OSError) as e:
-            log.debug("reading back offsets %d-%d failed (%s): followers read them from the log", start, through, e)
-            batches = None
-        if self.loop is not None:
+        batches = None
+        if len(self._read_back) < _MAX_READ_BACK:
+            try:
+                batches = self._tail_reader.batches(start, through, RECENT_BYTES)
+            except (LogRangeError, CorruptBatch, OSError) as e:
+                log.debug("reading back offsets %d-%d failed (%s): followers read them from the log", start,
+                          through, e)
+        if self.fsync != "always":
+            self._read_back.append((through, batches))
+        elif self.loop is not None:
             try:
                 self.loop.call_soon_threadsafe(self._appended, through, batches)
             except RuntimeError:  # loop closed during shutdown

@@ -190,21 +190,25 @@ def test_output_is_released_in_order_only_once_the_hw_passes_it(tmp_path, fsync)
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("fsync", ["always", "interval", "never"])
-def test_the_batches_just_written_are_on_the_loop_as_the_log_holds_them(tmp_path, fsync):
+@pytest.mark.parametrize("fsync,segment_bytes", [("always", 1 << 20), ("interval", 1 << 20), ("never", 1 << 20),
+                                                  ("always", 4096)])
+def test_the_batches_just_written_are_on_the_loop_as_the_log_holds_them(tmp_path, fsync, segment_bytes):
     """A follower fetching at the leader's log end is answered from the batches the writer
     read back (recent_batches), not after a read in another thread: each written batch is
-    there, byte for byte the log's, from the moment the loop hears it was written."""
+    there, byte for byte the log's, from the moment the loop hears it was written (also
+    across segments: 4096-byte ones roll every few epochs here)."""
     async def main():
         seen = []
-        leader = ReplicatedStore(config(tmp_path, fsync), on_appended=lambda end: seen.append(
-            (end, leader.recent_batches(start, end, 1 << 20))))
+        leader = ReplicatedStore(config(tmp_path, fsync, f"[log]\nsegment_bytes = {segment_bytes}\n"),
+                                 on_appended=lambda end: seen.append((end, leader.recent_batches(start, end, 1 << 20))))
         leader.start(asyncio.get_running_loop())
         reader = leader.raw_reader()
         start = leader.next_offset
-        for i in range(5):
+        for i in range(12):
             start = leader.next_offset
             await write_epoch(leader, i, records=4)
+        if segment_bytes == 4096:
+            assert len(os.listdir(leader.log_dir)) > 6  # (segments rolled: .log, .index, .timeindex each)
         ends = [end for end, _ in seen]
         assert ends and ends[-1] == leader.appended_end
         for end, held in seen:

@@ -43,7 +43,7 @@ import time
 from ._epoch import FIXED, FIXED_SIZE
 from .files import fsync_dir, write_atomic
 from .format import ATTR_STATE, STATE_FLAGS, Batch, CorruptBatch
-from .reader import LogRangeError, RawReader
+from .reader import RawBatch, RawReader
 from .state import META_SET, decode_ops, encode_ops
 from .store import Store, compiled_write, encode_epochs
 
@@ -191,12 +191,17 @@ class ReplicatedStore(Store):
         self._meta_time = time.monotonic()
         self._commit_hw = self.applied_through  # the HW the loop last told the writer
         self._heads = RawReader(self.log_dir)  # the writer's walk over batch headers
-        self._tail_reader = RawReader(self.log_dir)  # the writer's read-back of what it wrote
-        self._reported_end = self.next_offset  # writer-owned: the end its last report gave
+        # Writer-owned: the batches written since the last report (segment, position, size,
+        # base, count, epoch), a descriptor of the segment they were read back from, the end
+        # the last report gave.
+        self._wrote = []
+        self._back_seg = None
+        self._back_fd = None
+        self._reported_end = self.next_offset
         # (end, batches) read back and not yet handed over: the writer appends, the loop
         # takes them with the next `_written` report (fsync "interval" and "never", where
         # that report comes right after the write when anything waits for it).
-        self._read_back = collections.deque()
+        self._read_backs = collections.deque()
         # Loop-owned: the HW known, what the writer reported, epochs waiting for the HW.
         self.hw = self.applied_through
         self.appended_end = self.local_durable_end = self.next_offset
@@ -332,9 +337,9 @@ class ReplicatedStore(Store):
         tail = self._tail
         while tail and tail[0] is not self._epoch and tail[0].end <= through:
             tail.popleft()
-        read_back = self._read_back
-        while read_back:
-            self._appended(*read_back.popleft())
+        read_backs = self._read_backs
+        while read_backs:
+            self._appended(*read_backs.popleft())
         self._appended(through)
         if through > self.local_durable_end:
             self.local_durable_end = through
@@ -380,9 +385,54 @@ class ReplicatedStore(Store):
         base = epochs[0].base
         if compiled_write is not None and log_.writes_through_cache:
             write = functools.partial(compiled_write, attrs=attrs, epoch=self.leader_epoch)
-            return log_.append_epochs(base, count, epochs, write)
-        data, first_ts, max_ts = encode_epochs(epochs, attrs, self.leader_epoch)
-        return log_.append(data, base, count, first_ts, max_ts)
+            size = log_.append_epochs(base, count, epochs, write)
+        else:
+            data, first_ts, max_ts = encode_epochs(epochs, attrs, self.leader_epoch)
+            size = log_.append(data, base, count, first_ts, max_ts)
+        seg = log_.segments[-1]
+        self._wrote.append((seg, seg.size - size, size, base, count, self.leader_epoch))
+        return size
+
+    def _read_back(self):
+        """The batches written since the last report, as RawBatch, read back in one pread
+        per segment (each a GIL hand-over while the loop may be busy); None if they are
+        more than RECENT_BYTES or the file does not hold them."""
+        wrote, self._wrote = self._wrote, []
+        if not wrote or sum(w[2] for w in wrote) > RECENT_BYTES:
+            return None
+        out = []
+        i = 0
+        while i < len(wrote):
+            seg, first, _, _, _, _ = wrote[i]
+            j = i + 1
+            while j < len(wrote) and wrote[j][0] is seg and wrote[j][1] == wrote[j - 1][1] + wrote[j - 1][2]:
+                j += 1
+            total = wrote[j - 1][1] + wrote[j - 1][2] - first
+            if self._back_seg is not seg:
+                if self._back_fd is not None:
+                    os.close(self._back_fd)
+                    self._back_fd = None
+                self._back_fd = os.open(seg.log_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self._back_seg = seg
+            data = os.pread(self._back_fd, total, first)
+            if len(data) != total:
+                return None
+            if j == i + 1:
+                _, _, _, base, count, epoch = wrote[i]
+                out.append(RawBatch(base, epoch, count, data))
+            else:
+                mv = memoryview(data)
+                for _, pos, size, base, count, epoch in wrote[i:j]:
+                    out.append(RawBatch(base, epoch, count, bytes(mv[pos - first:pos - first + size])))
+                mv.release()
+            i = j
+        return out
+
+    def close(self):
+        super().close()
+        if self._back_fd is not None:
+            os.close(self._back_fd)
+            self._back_fd = None
 
     def _report_appended(self, through):
         """The log is written up to `through`: read back the batches written since the last
@@ -391,19 +441,20 @@ class ReplicatedStore(Store):
         fetch them while this syncs), else with the `_written` report that follows (which
         comes at once when anything waits for these records, and a QoS 0 flood's do not
         wake the loop once per round)."""
-        start = self._reported_end
-        if through <= start:
+        if through <= self._reported_end:
+            self._wrote.clear()
             return
         self._reported_end = through
         batches = None
-        if len(self._read_back) < _MAX_READ_BACK:
+        if len(self._read_backs) < _MAX_READ_BACK:
             try:
-                batches = self._tail_reader.batches(start, through, RECENT_BYTES)
-            except (LogRangeError, CorruptBatch, OSError) as e:
-                log.debug("reading back offsets %d-%d failed (%s): followers read them from the log", start,
-                          through, e)
+                batches = self._read_back()
+            except OSError as e:
+                log.debug("reading back the batches up to offset %d failed (%s): followers read them from the "
+                          "log", through, e)
+        self._wrote.clear()
         if self.fsync != "always":
-            self._read_back.append((through, batches))
+            self._read_backs.append((through, batches))
         elif self.loop is not None:
             try:
                 self.loop.call_soon_threadsafe(self._appended, through, batches)

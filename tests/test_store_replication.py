@@ -228,6 +228,44 @@ def test_the_batches_just_written_are_on_the_loop_as_the_log_holds_them(tmp_path
     asyncio.run(main())
 
 
+def test_a_commit_applies_exactly_the_state_records_below_it_among_batches_without_any(tmp_path):
+    """Most epochs of a QoS 1 flood carry no state change: the writer knows which batches it
+    wrote hold state records and moves past the others without reading their headers. At
+    every HW, before and after a batch with state records, exactly the changes below it
+    are applied; and a store opened again (headers it did not write) still applies them."""
+    async def main():
+        leader = ReplicatedStore(config(tmp_path))
+        leader.start(asyncio.get_running_loop())
+        ends, with_state = [], []
+        for i in range(9):
+            if i % 4 == 1:
+                ends.append((await write_epoch(leader, i))[2])
+                with_state.append(i)
+            else:
+                leader.append_record(T0 + i, 1, False, b"t", "c", b"", b"plain %d" % i)
+                leader.seal()
+                await until(lambda: leader.local_durable_end == leader.next_offset, what="the epoch written")
+                ends.append(leader.next_offset)
+        assert with_state == [1, 5]
+        for k, hw in enumerate(ends[:5]):
+            await committed(leader, hw)
+            assert leader.applied_through == hw
+            subs = {r[1] for r in tables(leader.db)["subscriptions"]}
+            assert subs == {f"fleet/{i}/#" for i in with_state if i <= k}, (k, hw)
+        leader.close()
+
+        # Opened again, the log's batches are not this writer's: the state record above the
+        # applied offset (epoch 5's) is found in the headers when the HW passes it.
+        again = ReplicatedStore(config(tmp_path))
+        again.start(asyncio.get_running_loop())
+        assert again.applied_through == ends[4]
+        await committed(again, ends[-1])
+        assert {r[1] for r in tables(again.db)["subscriptions"]} == {"fleet/1/#", "fleet/5/#"}
+        again.close()
+
+    asyncio.run(main())
+
+
 def test_the_brokers_reads_leave_state_records_out(tmp_path):
     async def main():
         leader = ReplicatedStore(config(tmp_path, fsync="never"))

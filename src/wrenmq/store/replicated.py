@@ -198,6 +198,10 @@ class ReplicatedStore(Store):
         self._back_seg = None
         self._back_fd = None
         self._reported_end = self.next_offset
+        # Writer-owned: (base, end) of the batches with state records it wrote from offset
+        # _known_from on (below it, the log's headers say: `_apply` walks them).
+        self._state_batches = collections.deque()
+        self._known_from = self.next_offset
         # (end, batches) read back and not yet handed over: the writer appends, the loop
         # takes them with the next `_written` report (fsync "interval" and "never", where
         # that report comes right after the write when anything waits for it).
@@ -391,6 +395,13 @@ class ReplicatedStore(Store):
             size = log_.append(data, base, count, first_ts, max_ts)
         seg = log_.segments[-1]
         self._wrote.append((seg, seg.size - size, size, base, count, self.leader_epoch))
+        if attrs:
+            bases = self._state_batches
+            if len(bases) >= _MAX_ENDS:  # (the HW stands still: walk the headers from here on)
+                bases.clear()
+                self._known_from = base + count
+            else:
+                bases.append((base, base + count))
         return size
 
     def _read_back(self):
@@ -471,6 +482,19 @@ class ReplicatedStore(Store):
             self._run(command)
 
     def _apply(self, hw, write_meta):
+        applied = self.applied_through
+        if not write_meta and hw > applied >= self._known_from:
+            # Every batch from _known_from on was written by this writer, which knows those
+            # with state records: with none below `hw` there is nothing to apply, and the
+            # walk over the batch headers (system calls, each a GIL hand-over while the loop
+            # releases the output of this very HW) is skipped.
+            bases = self._state_batches
+            while bases and bases[0][1] <= applied:
+                bases.popleft()
+            if not bases or bases[0][0] >= hw:
+                self.applied_through = hw
+                self.log.limit_marks(hw)
+                return
         self.applied_through, wrote = apply_committed(self._heads, self.db, self.applied_through, hw,
                                                       write_meta)
         if wrote:

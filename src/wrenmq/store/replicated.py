@@ -21,8 +21,8 @@ then, and `ReplicatedStore` is a `Store` that does them:
 - The writer reads back each batch it wrote (from the page cache, before it syncs) and
   hands the bytes to the loop with the report, which keeps the last RECENT_BYTES of them
   (`recent_batches`): a follower waiting at the log end is answered from memory at once,
-  not after a read in another thread (two thread hand-overs, a quarter of a replicated
-  record's way to its acknowledgement on a loaded machine, docs/BENCHMARKS.md).
+  not after a read in another thread (two thread hand-overs: a tenth to a sixth of a
+  replicated record's way to its acknowledgement on a loaded machine, docs/BENCHMARKS.md).
 
 "Durable" for replication means what the broker's acknowledgements mean without it:
 fsynced under `[storage] fsync = "always"`, written (in the page cache, which outlives a

@@ -190,6 +190,82 @@ def test_output_is_released_in_order_only_once_the_hw_passes_it(tmp_path, fsync)
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("fsync,segment_bytes", [("always", 1 << 20), ("interval", 1 << 20), ("never", 1 << 20),
+                                                  ("always", 4096)])
+def test_the_batches_just_written_are_on_the_loop_as_the_log_holds_them(tmp_path, fsync, segment_bytes):
+    """A follower fetching at the leader's log end is answered from the batches the writer
+    read back (recent_batches), not after a read in another thread: each written batch is
+    there, byte for byte the log's, from the moment the loop hears it was written (also
+    across segments: 4096-byte ones roll every few epochs here)."""
+    async def main():
+        seen = []
+        leader = ReplicatedStore(config(tmp_path, fsync, f"[log]\nsegment_bytes = {segment_bytes}\n"),
+                                 on_appended=lambda end: seen.append((end, leader.recent_batches(start, end, 1 << 20))))
+        leader.start(asyncio.get_running_loop())
+        reader = leader.raw_reader()
+        start = leader.next_offset
+        for i in range(12):
+            start = leader.next_offset
+            await write_epoch(leader, i, records=4)
+        if segment_bytes == 4096:
+            assert len(os.listdir(leader.log_dir)) > 6  # (segments rolled: .log, .index, .timeindex each)
+        ends = [end for end, _ in seen]
+        assert ends and ends[-1] == leader.appended_end
+        for end, held in seen:
+            assert held is not None, f"nothing held on the loop when the log was written up to {end}"
+        held = leader.recent_batches(0, leader.appended_end, 1 << 20)
+        assert held == reader.batches(0, leader.appended_end, 1 << 20)
+        assert sum(b.count for b in held) == leader.appended_end
+        # At most `max_bytes` (but one batch at least), none past `end`; a start inside a
+        # batch or past the end is not held (the caller reads the log then).
+        assert leader.recent_batches(0, leader.appended_end, 1) == held[:1]
+        assert leader.recent_batches(0, held[1].base, 1 << 20) == held[:1]
+        assert leader.recent_batches(held[1].base, leader.appended_end, 1 << 20) == held[1:]
+        assert leader.recent_batches(1, leader.appended_end, 1 << 20) is None
+        assert leader.recent_batches(leader.appended_end, leader.appended_end + 5, 1 << 20) is None
+        leader.close()
+
+    asyncio.run(main())
+
+
+def test_a_commit_applies_exactly_the_state_records_below_it_among_batches_without_any(tmp_path):
+    """Most epochs of a QoS 1 flood carry no state change: the writer knows which batches it
+    wrote hold state records and moves past the others without reading their headers. At
+    every HW, before and after a batch with state records, exactly the changes below it
+    are applied; and a store opened again (headers it did not write) still applies them."""
+    async def main():
+        leader = ReplicatedStore(config(tmp_path))
+        leader.start(asyncio.get_running_loop())
+        ends, with_state = [], []
+        for i in range(9):
+            if i % 4 == 1:
+                ends.append((await write_epoch(leader, i))[2])
+                with_state.append(i)
+            else:
+                leader.append_record(T0 + i, 1, False, b"t", "c", b"", b"plain %d" % i)
+                leader.seal()
+                await until(lambda: leader.local_durable_end == leader.next_offset, what="the epoch written")
+                ends.append(leader.next_offset)
+        assert with_state == [1, 5]
+        for k, hw in enumerate(ends[:5]):
+            await committed(leader, hw)
+            assert leader.applied_through == hw
+            subs = {r[1] for r in tables(leader.db)["subscriptions"]}
+            assert subs == {f"fleet/{i}/#" for i in with_state if i <= k}, (k, hw)
+        leader.close()
+
+        # Opened again, the log's batches are not this writer's: the state record above the
+        # applied offset (epoch 5's) is found in the headers when the HW passes it.
+        again = ReplicatedStore(config(tmp_path))
+        again.start(asyncio.get_running_loop())
+        assert again.applied_through == ends[4]
+        await committed(again, ends[-1])
+        assert {r[1] for r in tables(again.db)["subscriptions"]} == {"fleet/1/#", "fleet/5/#"}
+        again.close()
+
+    asyncio.run(main())
+
+
 def test_the_brokers_reads_leave_state_records_out(tmp_path):
     async def main():
         leader = ReplicatedStore(config(tmp_path, fsync="never"))

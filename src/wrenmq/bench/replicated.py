@@ -2,7 +2,7 @@
 the same with `replicas = 3, min_insync = 2`.
 
     python -m wrenmq.bench.replicated [--rounds 3] [--count 50000] [--size 64] [--fsync always]
-                                      [--rate 500] [--seconds 5]
+                                      [--rate 500] [--seconds 5] [--setups "replicas 1,replicas 3"]
 
 Starts an etcd and seven `wrenmq serve` (disk storage, `fsync` as given, the same for all):
 a single node, and nodes a, b, c of two clusters, one with `replicas = 1` and one with
@@ -161,7 +161,12 @@ def main(argv=None):
     p.add_argument("--rate", type=float, default=500.0, help="msg/s of the latency probe")
     p.add_argument("--seconds", type=float, default=5.0, help="seconds of each latency probe")
     p.add_argument("--json", help="write the runs here")
+    p.add_argument("--setups", default=",".join(SETUPS),
+                   help="which setups to start and measure, comma-separated (default: all three)")
     args = p.parse_args(argv)
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    if not setups or any(s not in SETUPS for s in setups):
+        sys.exit(f"bench.replicated: --setups takes some of {', '.join(SETUPS)}")
     etcd = shutil.which("etcd")
     if not etcd:
         sys.exit("bench.replicated: etcd not found (Debian: apt install etcd-server; `make bench-cluster` installs it)")
@@ -190,10 +195,13 @@ def main(argv=None):
             return storage(f"{cluster}-{name}") + "[cluster]\n" + "".join(
                 f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
 
-        single, sport, _ = _serve(exe, tmp, "single", storage("single"))
-        procs.append(single)
-        ports = {"single node": sport}
+        ports = {}
+        if "single node" in setups:
+            single, ports["single node"], _ = _serve(exe, tmp, "single", storage("single"))
+            procs.append(single)
         for setup, cluster, replicas in (("replicas 1", "benchr1", 1), ("replicas 3", "benchr3", 3)):
+            if setup not in setups:
+                continue
             started = [_serve(exe, tmp, f"{cluster}-{n}", node(cluster, n, replicas)) for n in "abc"]
             procs += [s[0] for s in started]
             for (proc, port, _), n in zip(started, "abc"):
@@ -205,7 +213,7 @@ def main(argv=None):
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{cluster}: the partitions were not in sync after 90 s")
                     time.sleep(1)
-        for setup in SETUPS:
+        for setup in setups:
             c = Counter(ports[setup], "bench/lat")
             counters.append(c)
         load = open("/proc/loadavg").read().split()[:3]
@@ -213,7 +221,7 @@ def main(argv=None):
               f"probe {args.rate:g} msg/s x {args.seconds:g} s; fsync {args.fsync}; nproc {os.cpu_count()}; "
               f"load {' '.join(load)}", flush=True)
         runs = []
-        order = list(SETUPS)
+        order = list(setups)
         for r in range(args.rounds):
             for setup in order:
                 port = ports[setup]
@@ -235,15 +243,17 @@ def main(argv=None):
             order = order[1:] + order[:1]
         medians = {}
         print("\nsetup          rate (median)   lost   PUBACK p50   p99 (all rounds' samples)")
-        for setup in SETUPS:
+        for setup in setups:
             mine = [x for x in runs if x["setup"] == setup]
             lat = [v for x in mine for v in x["latencies_ns"]]
             medians[setup] = m = statistics.median(x["rate"] for x in mine)
             print(f"{setup:<12} {m / 1000:10.2f}k   {sum(x['lost'] or 0 for x in mine):6d}   "
                   f"{_pct(lat, 0.5) / 1e6:7.2f} ms  {_pct(lat, 0.99) / 1e6:7.2f} ms")
-        r3 = medians["replicas 3"]
-        print(f"\nreplicas 3 / single node: {r3 / medians['single node']:.2f}x; replicas 3 / replicas 1: "
-              f"{r3 / medians['replicas 1']:.2f}x (target: >= 0.5x of the unreplicated QoS 1 rate)")
+        r3 = medians.get("replicas 3")
+        ratios = [f"replicas 3 / {base}: {r3 / medians[base]:.2f}x" for base in ("single node", "replicas 1")
+                  if r3 is not None and base in medians]
+        if ratios:
+            print(f"\n{'; '.join(ratios)} (target: >= 0.5x of the unreplicated QoS 1 rate)")
         print(f"load at the end: {' '.join(open('/proc/loadavg').read().split()[:3])}")
         if args.json:
             for x in runs:

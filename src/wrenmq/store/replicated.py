@@ -18,6 +18,11 @@ then, and `ReplicatedStore` is a `Store` that does them:
   the replication layer answers fetches with them) and local durability
   (`on_local_durable`), and `on_durable(epoch id)` comes only for epochs that end at or
   below both the HW and the local durable end.
+- The writer reads back each batch it wrote (from the page cache, before it syncs) and
+  hands the bytes to the loop with the report, which keeps the last RECENT_BYTES of them
+  (`recent_batches`): a follower waiting at the log end is answered from memory at once,
+  not after a read in another thread (two thread hand-overs: a tenth to a sixth of a
+  replicated record's way to its acknowledgement on a loaded machine, docs/BENCHMARKS.md).
 
 "Durable" for replication means what the broker's acknowledgements mean without it:
 fsynced under `[storage] fsync = "always"`, written (in the page cache, which outlives a
@@ -38,7 +43,7 @@ import time
 from ._epoch import FIXED, FIXED_SIZE
 from .files import fsync_dir, write_atomic
 from .format import ATTR_STATE, STATE_FLAGS, Batch, CorruptBatch
-from .reader import RawReader
+from .reader import RawBatch, RawReader
 from .state import META_SET, decode_ops, encode_ops
 from .store import Store, compiled_write, encode_epochs
 
@@ -47,6 +52,10 @@ log = logging.getLogger("wrenmq.store")
 EPOCHS_FILE = "leader-epochs"  # the leader-epoch history, next to the partition's segments
 _META_EVERY = 1.0  # seconds applied_through may lag in the database while no state record applies
 _MAX_ENDS = 4096  # (epoch id, end) pairs kept for the release at the HW (then the last is replaced)
+# Bytes of the batches last written that the loop keeps for followers fetching at the log
+# end (`recent_batches`); one read-back by the writer carries at most this much.
+RECENT_BYTES = 2 << 20
+_MAX_READ_BACK = 16  # read-backs waiting for the loop; past it, followers read from the log
 _WAKE = ("wake",)
 
 
@@ -149,7 +158,8 @@ class ReplicatedStore(Store):
     Everything `Store` does, with these differences (module docstring): state operations
     go into the log as state records and are applied when committed; `on_durable(eid)`
     waits for the HW. From the event loop: `commit(hw)`, `set_leader_epoch`,
-    `save_epochs`, `snapshot`, `raw_reader`; before `start`: `apply_through`. The
+    `save_epochs`, `snapshot`, `raw_reader`, `recent_batches`; before `start`:
+    `apply_through`. The
     callbacks `on_appended(end)`, `on_local_durable(end)` and `on_log_start(start)` run
     on the loop.
     """
@@ -181,10 +191,27 @@ class ReplicatedStore(Store):
         self._meta_time = time.monotonic()
         self._commit_hw = self.applied_through  # the HW the loop last told the writer
         self._heads = RawReader(self.log_dir)  # the writer's walk over batch headers
+        # Writer-owned: the batches written since the last report (segment, position, size,
+        # base, count, epoch), a descriptor of the segment they were read back from, the end
+        # the last report gave.
+        self._wrote = []
+        self._back_seg = None
+        self._back_fd = None
+        self._reported_end = self.next_offset
+        # Writer-owned: (base, end) of the batches with state records it wrote from offset
+        # _known_from on (below it, the log's headers say: `_apply` walks them).
+        self._state_batches = collections.deque()
+        self._known_from = self.next_offset
+        # (end, batches) read back and not yet handed over: the writer appends, the loop
+        # takes them with the next `_written` report (fsync "interval" and "never", where
+        # that report comes right after the write when anything waits for it).
+        self._read_backs = collections.deque()
         # Loop-owned: the HW known, what the writer reported, epochs waiting for the HW.
         self.hw = self.applied_through
         self.appended_end = self.local_durable_end = self.next_offset
         self._ends = collections.deque()  # (epoch id, end offset) per writer report
+        self._recent = collections.deque()  # RawBatch: the last ones written, contiguous
+        self._recent_bytes = 0
         self.log.limit_marks(self.applied_through)
         if self._apply_at_open is not None:
             self.apply_through(self._apply_at_open)
@@ -258,8 +285,50 @@ class ReplicatedStore(Store):
             self.hw = self._commit_hw = self.applied_through
         return self.applied_through
 
-    def _appended(self, end):
-        """Loop: the log is written (readable) up to `end`."""
+    def recent_batches(self, start, end, max_bytes):
+        """The batches from offset `start` (a batch's base) on, none reaching past `end`, at
+        most `max_bytes` together (at least one), from those the writer read back last; None
+        if they do not hold the batch at `start` (read the log then: `raw_reader`)."""
+        recent = self._recent
+        if not recent or start < recent[0].base or start >= recent[-1].base + recent[-1].count:
+            return None
+        i = len(recent) - 1
+        while recent[i].base > start:
+            i -= 1
+        if recent[i].base != start:
+            return None
+        out = []
+        total = 0
+        n = len(recent)
+        while i < n:
+            b = recent[i]
+            if b.base + b.count > end or (out and total + len(b.data) > max_bytes):
+                break
+            out.append(b)
+            total += len(b.data)
+            if total >= max_bytes:
+                break
+            i += 1
+        return out or None
+
+    def _keep_recent(self, batches):
+        recent = self._recent
+        if recent and recent[-1].base + recent[-1].count != batches[0].base:
+            recent.clear()  # (a read-back fell short: the batches kept no longer lead on)
+            self._recent_bytes = 0
+        n = self._recent_bytes
+        for b in batches:
+            recent.append(b)
+            n += len(b.data)
+        while n > RECENT_BYTES and len(recent) > 1:
+            n -= len(recent.popleft().data)
+        self._recent_bytes = n
+
+    def _appended(self, end, batches=None):
+        """Loop: the log is written (readable) up to `end`; `batches`: those written since
+        the last report, as the writer read them back (None if it could not)."""
+        if batches:
+            self._keep_recent(batches)
         if end > self.appended_end:
             self.appended_end = end
             if self.on_appended is not None:
@@ -272,6 +341,9 @@ class ReplicatedStore(Store):
         tail = self._tail
         while tail and tail[0] is not self._epoch and tail[0].end <= through:
             tail.popleft()
+        read_backs = self._read_backs
+        while read_backs:
+            self._appended(*read_backs.popleft())
         self._appended(through)
         if through > self.local_durable_end:
             self.local_durable_end = through
@@ -317,14 +389,86 @@ class ReplicatedStore(Store):
         base = epochs[0].base
         if compiled_write is not None and log_.writes_through_cache:
             write = functools.partial(compiled_write, attrs=attrs, epoch=self.leader_epoch)
-            return log_.append_epochs(base, count, epochs, write)
-        data, first_ts, max_ts = encode_epochs(epochs, attrs, self.leader_epoch)
-        return log_.append(data, base, count, first_ts, max_ts)
+            size = log_.append_epochs(base, count, epochs, write)
+        else:
+            data, first_ts, max_ts = encode_epochs(epochs, attrs, self.leader_epoch)
+            size = log_.append(data, base, count, first_ts, max_ts)
+        seg = log_.segments[-1]
+        self._wrote.append((seg, seg.size - size, size, base, count, self.leader_epoch))
+        if attrs:
+            bases = self._state_batches
+            if len(bases) >= _MAX_ENDS:  # (the HW stands still: walk the headers from here on)
+                bases.clear()
+                self._known_from = base + count
+            else:
+                bases.append((base, base + count))
+        return size
+
+    def _read_back(self):
+        """The batches written since the last report, as RawBatch, read back in one pread
+        per segment (each a GIL hand-over while the loop may be busy); None if they are
+        more than RECENT_BYTES or the file does not hold them."""
+        wrote, self._wrote = self._wrote, []
+        if not wrote or sum(w[2] for w in wrote) > RECENT_BYTES:
+            return None
+        out = []
+        i = 0
+        while i < len(wrote):
+            seg, first, _, _, _, _ = wrote[i]
+            j = i + 1
+            while j < len(wrote) and wrote[j][0] is seg and wrote[j][1] == wrote[j - 1][1] + wrote[j - 1][2]:
+                j += 1
+            total = wrote[j - 1][1] + wrote[j - 1][2] - first
+            if self._back_seg is not seg:
+                if self._back_fd is not None:
+                    os.close(self._back_fd)
+                    self._back_fd = None
+                self._back_fd = os.open(seg.log_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self._back_seg = seg
+            data = os.pread(self._back_fd, total, first)
+            if len(data) != total:
+                return None
+            if j == i + 1:
+                _, _, _, base, count, epoch = wrote[i]
+                out.append(RawBatch(base, epoch, count, data))
+            else:
+                mv = memoryview(data)
+                for _, pos, size, base, count, epoch in wrote[i:j]:
+                    out.append(RawBatch(base, epoch, count, bytes(mv[pos - first:pos - first + size])))
+                mv.release()
+            i = j
+        return out
+
+    def close(self):
+        super().close()
+        if self._back_fd is not None:
+            os.close(self._back_fd)
+            self._back_fd = None
 
     def _report_appended(self, through):
-        if self.loop is not None:
+        """The log is written up to `through`: read back the batches written since the last
+        report while they are in the page cache (a follower at the log end gets them from
+        memory: `recent_batches`) and tell the loop: at once under fsync "always" (followers
+        fetch them while this syncs), else with the `_written` report that follows (which
+        comes at once when anything waits for these records, and a QoS 0 flood's do not
+        wake the loop once per round)."""
+        if through <= self._reported_end:
+            self._wrote.clear()
+            return
+        self._reported_end = through
+        batches = None
+        if len(self._read_backs) < _MAX_READ_BACK:
             try:
-                self.loop.call_soon_threadsafe(self._appended, through)
+                batches = self._read_back()
+            except OSError as e:
+                log.debug("reading back the batches up to offset %d failed (%s): followers read them from the "
+                          "log", through, e)
+        self._wrote.clear()
+        if self.fsync != "always":
+            self._read_backs.append((through, batches))
+        elif self.loop is not None:
+            try:
+                self.loop.call_soon_threadsafe(self._appended, through, batches)
             except RuntimeError:  # loop closed during shutdown
                 pass
 
@@ -338,6 +482,19 @@ class ReplicatedStore(Store):
             self._run(command)
 
     def _apply(self, hw, write_meta):
+        applied = self.applied_through
+        if not write_meta and hw > applied >= self._known_from:
+            # Every batch from _known_from on was written by this writer, which knows those
+            # with state records: with none below `hw` there is nothing to apply, and the
+            # walk over the batch headers (system calls, each a GIL hand-over while the loop
+            # releases the output of this very HW) is skipped.
+            bases = self._state_batches
+            while bases and bases[0][1] <= applied:
+                bases.popleft()
+            if not bases or bases[0][0] >= hw:
+                self.applied_through = hw
+                self.log.limit_marks(hw)
+                return
         self.applied_through, wrote = apply_committed(self._heads, self.db, self.applied_through, hw,
                                                       write_meta)
         if wrote:

@@ -491,8 +491,8 @@ class Store(EpochAppender):
                     # several GIL hand-overs for the writer thread.
                     ops.append((META_SET, ("log_through", str(through))))
                     last_through = now
-                if self.replicated and through is not None and self.fsync == "always":
-                    self._report_appended(through)  # (followers fetch it while this fsyncs)
+                if self.replicated and through is not None:
+                    self._report_appended(through)  # (followers fetch it while this syncs)
                 if dirty and (self.fsync == "always" or stop):
                     self.log.sync()
                     self.syncs += 1

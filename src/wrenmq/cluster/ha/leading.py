@@ -142,6 +142,10 @@ class Leading:
         if d.start >= d.end:
             link.send(RF.Data(self.partition, d.epoch, d.incarnation, d.seq, d.hw, []))
             return
+        raw = self.store.recent_batches(d.start, d.end, DATA_BYTES)
+        if raw is not None:  # (a follower at the log end: what the writer just wrote)
+            self._send_batches(link, d, raw)
+            return
         fut = self.manager.reads.submit(read_batches, self.store.log_dir, self.generation, d.start, d.end, DATA_BYTES)
         asyncio.wrap_future(fut).add_done_callback(lambda f: self._data_read(f, link, d))
 
@@ -152,6 +156,9 @@ class Leading:
             log.warning("cluster: partition %s: reading offsets %d-%d for %s failed: %s", self.partition, d.start,
                         d.end, d.follower, e)
             return
+        self._send_batches(link, d, raw)
+
+    def _send_batches(self, link, d, raw):
         if link.open and not self.fenced:
             link.send(RF.Data(self.partition, d.epoch, d.incarnation, d.seq, d.hw,
                               [RF.Batch(b.base, b.epoch, b.count, b.data) for b in raw]))

@@ -7,9 +7,11 @@ SNAPSHOT chunks (replication_frames). What a frame means is decided by the state
 machines (replication.py) through the manager; here bytes are cut into frames and
 frames written.
 
-The leader reads the batches it sends (`read_batches`) in a thread of its own pool, a
-`RawReader` per thread and log, never on the event loop; the follower appends and syncs
-on its ReplicaLog's writer thread.
+A follower waiting at the log end is answered with the batches the leader's store writer
+read back as it wrote them (ReplicatedStore.recent_batches, leading.py), at once; the
+leader reads anything older (`read_batches`) in a thread of its own pool, a `RawReader`
+per thread and log, never on the event loop. The follower appends and syncs on its
+ReplicaLog's writer thread.
 """
 
 import asyncio

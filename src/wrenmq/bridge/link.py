@@ -160,10 +160,14 @@ class Bridge:
         self.store = store if self.has_out else None
         cursor = 0
         if self.store is not None:
-            end = store.next_offset
+            # The log's end when the store opened, not now: extensions start once the
+            # listeners are open, so clients may have published (and been acknowledged)
+            # already, and those records are this bridge's to send. (Below next_offset: a
+            # replicated partition's log may have been cut back since.)
+            end = min(store.opened_at, store.next_offset)
             saved = store.meta_at_open.get(cursor_key(cfg.name))
-            # A new bridge starts at the log's end; a saved cursor past it (the log's tail
-            # was cut at start-up) comes back to it.
+            # A new bridge starts at that end; a saved cursor past it (the log's tail was
+            # cut at start-up, and its offsets are written again) comes back to it.
             cursor = min(int(saved), end) if saved and saved.isdigit() else end
         self.saved = None
         self.owner = not self.clustered  # holds the remote subscription (cluster: the etcd lease)

@@ -303,6 +303,39 @@ def test_out_sends_what_was_acknowledged_before_the_bridge_started(tmp_path, mos
         app.loop_stop()
 
 
+def test_out_passes_over_exactly_the_damaged_records_of_its_log(tmp_path, serve_broker, mosquitto):
+    """Records waiting in the edge's log for the remote, the first two segments of them
+    damaged while the edge was down (more records than the bridge reads at a time): the
+    bridge sends every readable record after them, and skips (its log reader logs them) only
+    the damaged ones."""
+    remote = mosquitto()
+    app = remote_subscriber(remote.port, "site1/#")
+    remote.stop()
+    edge = serve_broker(edge_config(remote.port, bridge="max_inflight = 10\n",
+                                    extra="[log]\nsegment_bytes = 4096\n"))
+    acked = publish_acked(edge.port, "sensors/a", [b"%d" % i for i in range(400)], "p1")
+    assert len(acked) == 400
+    edge.stop()
+    node = (tmp_path / "data" / "node_id").read_text().strip()
+    segments = sorted((tmp_path / "data" / "log" / node).glob("*.log"))
+    assert len(segments) >= 4, segments
+    for seg in segments[:2]:
+        seg.write_bytes(b"\xff" * seg.stat().st_size)
+    first_kept = int(segments[2].stem)
+    assert first_kept > 64  # (more than one read of the bridge's)
+    edge.start()
+    remote.start()
+    want = {b"%d" % i for i in range(first_kept, 400)}
+    got = collect(app, lambda g: want <= {m.payload for m in g}, timeout=60)
+    payloads = {m.payload for m in got}
+    missing = want - payloads
+    assert not missing, f"{len(missing)} readable record(s) never reached the remote, e.g. {sorted(missing)[:5]}"
+    assert not payloads - want, "records that were damaged reached the remote"
+    assert "skipped offsets 0-" in edge.log, edge.log
+    app.loop_stop()
+    remote.close()
+
+
 ACL = """topic read fromcloud/#
 topic read $SYS/#
 user bridge

@@ -352,8 +352,10 @@ class Bridge:
                         self.address, now - self.last_rx, ka)
             wire.abort()
             return
-        elif now - self.last_tx >= ka:
-            wire.write(b"\xc0\x00")  # PINGREQ
+        else:
+            if now - self.last_tx >= ka:
+                wire.write(b"\xc0\x00")  # PINGREQ
+            self.wake()  # (a read that came back short is tried again)
         self._tick_handle = asyncio.get_running_loop().call_later(min(_TICK, ka / 4), self._tick)
 
     # --- what the remote sends -------------------------------------------------------------
@@ -509,8 +511,17 @@ class Bridge:
         if session.read_pos < end and not session.full:
             room = session.window - len(session.inflight)
             recs = store.read(session.read_pos, max(64, min(_READ_CHUNK, room)))
-            if not recs:  # a damaged stretch of the log (its reader logged it): past it
-                session.read_pos = min(session.read_pos + _READ_CHUNK, end)
+            retry = False
+            if not recs:
+                # Past a stretch the log's reader found damaged (it logged it); nothing else
+                # makes a read below the end come back empty for good (retention deleting the
+                # records meanwhile is seen next turn, above), so look again on the next
+                # tick, never passing over records unsent.
+                past = store.unreadable_end(session.read_pos)
+                if past is not None:
+                    session.read_pos = min(past, end)
+                else:
+                    retry = True
             now = time.time()
             out = []
             take = session.take
@@ -523,7 +534,7 @@ class Bridge:
             if out:
                 wire.transport.writelines(out)
                 self.last_tx = monotonic()
-            if session.read_pos < end and not session.full:
+            if session.read_pos < end and not session.full and not retry:
                 self.wake()
             self._note_drops()
         self._save_cursor()

@@ -4,6 +4,7 @@
 The sans-IO parts (topic mapping, the session's window and cursor) are tested with
 plain records first; everything else crosses real sockets."""
 
+import asyncio
 import json
 import re
 import subprocess
@@ -15,9 +16,12 @@ import pytest
 from bridge_helpers import collect, first_seen_in_order, publish_acked
 from conftest import WRENMQ, free_port, paho_client, subscribe
 from mqtt_helpers import drain, scrape, wait_for
+from wrenmq import Broker
+from wrenmq.bridge import bridge_extensions
 from wrenmq.bridge.session import (DELIVER, ECHO, ORIGIN_PROPERTY, POISON_STRIKES, BridgeSession,
                                    packet_id_of)
 from wrenmq.bridge.topics import TopicMap
+from wrenmq.broker.hooks import Extension
 from wrenmq.config import ConfigError, load
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.codec import decode
@@ -244,6 +248,90 @@ def test_out_loses_no_acknowledged_message_across_remote_restarts_and_kill_9(tmp
     assert re.search(rf"^cloud\s+connected\s+127\.0\.0\.1:{remote.port}\s", table, re.M), table
     behind = [int(x) for x in re.findall(r"bridge cloud: connected to .*\((\d+) record\(s\) behind\)", edge.log)]
     assert len(behind) >= 3 and behind[1] >= 600, behind  # (what waited in the log across the kill was sent)
+    app.loop_stop()
+    remote.close()
+
+
+class PublishesFirst(Extension):
+    """An extension started before the bridges: a real client publishes at QoS 1 through the
+    listener, open by then, and every message is acknowledged before the bridges start (as
+    clients of a busy broker do while its later listeners and extensions start)."""
+
+    def __init__(self, payloads):
+        self.payloads = payloads
+        self.acked = []
+
+    async def start(self, broker):
+        self.acked = await asyncio.get_running_loop().run_in_executor(
+            None, publish_acked, broker.port, "sensors/a", self.payloads, "early")
+
+
+def test_out_sends_what_was_acknowledged_before_the_bridge_started(tmp_path, mosquitto):
+    """A new bridge starts at the log's end as the store opened it, not as it is when the
+    bridge starts: what clients published between the listener opening and the bridges
+    starting reaches the remote too."""
+    remote = mosquitto()
+    app = remote_subscriber(remote.port, "site1/#")
+    config = load(text=edge_config(remote.port) + f'[storage]\ndata_dir = "{tmp_path / "edge"}"\n')
+    early = PublishesFirst([b"%d" % i for i in range(50)])
+    ready = threading.Event()
+    state = {}
+
+    def serve():
+        async def main():
+            broker = state["broker"] = Broker(config, extensions=[early, *bridge_extensions(config)])
+            await broker.start()
+            state["loop"] = asyncio.get_running_loop()
+            ready.set()
+            await broker.serve_forever()
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        assert ready.wait(60), "the edge did not start"
+        assert len(early.acked) == 50
+        late = publish_acked(state["broker"].port, "sensors/a", [b"late"], "late")
+        want = set(early.acked) | set(late)
+        got = collect(app, lambda g: want <= {m.payload for m in g}, timeout=30)
+        missing = want - {m.payload for m in got}
+        assert not missing, f"{len(missing)} acknowledged message(s) never reached the remote: {sorted(missing)[:5]}"
+    finally:
+        if "loop" in state:
+            asyncio.run_coroutine_threadsafe(state["broker"].stop(), state["loop"]).result(30)
+        thread.join(30)
+        app.loop_stop()
+
+
+def test_out_passes_over_exactly_the_damaged_records_of_its_log(tmp_path, serve_broker, mosquitto):
+    """Records waiting in the edge's log for the remote, the first two segments of them
+    damaged while the edge was down (more records than the bridge reads at a time): the
+    bridge sends every readable record after them, and skips (its log reader logs them) only
+    the damaged ones."""
+    remote = mosquitto()
+    app = remote_subscriber(remote.port, "site1/#")
+    remote.stop()
+    edge = serve_broker(edge_config(remote.port, bridge="max_inflight = 10\n",
+                                    extra="[log]\nsegment_bytes = 4096\n"))
+    acked = publish_acked(edge.port, "sensors/a", [b"%d" % i for i in range(400)], "p1")
+    assert len(acked) == 400
+    edge.stop()
+    node = (tmp_path / "data" / "node_id").read_text().strip()
+    segments = sorted((tmp_path / "data" / "log" / node).glob("*.log"))
+    assert len(segments) >= 4, segments
+    for seg in segments[:2]:
+        seg.write_bytes(b"\xff" * seg.stat().st_size)
+    first_kept = int(segments[2].stem)
+    assert first_kept > 64  # (more than one read of the bridge's)
+    edge.start()
+    remote.start()
+    want = {b"%d" % i for i in range(first_kept, 400)}
+    got = collect(app, lambda g: want <= {m.payload for m in g}, timeout=60)
+    payloads = {m.payload for m in got}
+    missing = want - payloads
+    assert not missing, f"{len(missing)} readable record(s) never reached the remote, e.g. {sorted(missing)[:5]}"
+    assert not payloads - want, "records that were damaged reached the remote"
+    assert "skipped offsets 0-" in edge.log, edge.log
     app.loop_stop()
     remote.close()
 

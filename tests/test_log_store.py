@@ -488,3 +488,43 @@ def test_active_segment_is_allocated_ahead_and_gives_it_back_when_sealed_or_clos
     assert allocated(first) < os.path.getsize(built.seg_path(first)) + 8192
     built.close()
     assert [r.offset for r in LogReader(built.dir).records()] == [r.offset for r in built.records]
+
+
+def test_store_tells_damaged_records_from_a_read_to_try_again(tmp_path):
+    """A read over records the log cannot serve comes back without them (its reader logs
+    them), and the store then says where the damaged stretch ends, so readers that follow
+    the log (bridges, catch-up, cluster replay) pass over exactly that stretch; of records
+    not known to be damaged it says nothing, so an empty read there is tried again, never
+    taken as a stretch to skip."""
+    from wrenmq.config import load
+    from wrenmq.store.store import Store
+
+    directory = tmp_path / "data" / "log" / "n1"
+    log = CommitLog(directory, segment_bytes=4096)
+    records = []
+    for base in range(0, 200, 20):  # several segments: the damage is not the active one's tail
+        batch = [Record(base + i, T0 + base + i, 1, False, "s/1", "dev", b"", b"p%d" % (base + i), 0)
+                 for i in range(20)]
+        log.append(encode(batch), base, 20, batch[0].timestamp, batch[-1].timestamp)
+        records.extend(batch)
+    log.close()
+    assert len(log.segments) >= 3
+    first = log.segments[0]
+    with open(first.log_path, "r+b") as fh:  # the segment's first batch: offsets 0..19
+        size = read_prefix(fh.read(64))
+        fh.seek(0)
+        fh.write(b"\xff" * size)
+
+    cfg = load(text=f'[broker]\nnode_id = "n1"\n[storage]\ndata_dir = "{tmp_path / "data"}"\n')
+    st = Store(cfg)
+    try:
+        assert st.next_offset == 200
+        assert st.unreadable_end(5) is None  # (nothing read yet: not known)
+        assert st.read(0, 10) == []
+        assert st.unreadable_end(0) == 10 and st.unreadable_end(9) == 10  # as far as that read went
+        assert st.read(10, 500)[0].offset == 20
+        assert st.unreadable_end(15) == 20
+        assert st.unreadable_end(20) is None and st.unreadable_end(199) is None
+        assert [r.payload for r in st.read(20, 500)] == [r.payload for r in records[20:]]
+    finally:
+        st.close()

@@ -160,10 +160,14 @@ class Bridge:
         self.store = store if self.has_out else None
         cursor = 0
         if self.store is not None:
-            end = store.next_offset
+            # The log's end when the store opened, not now: extensions start once the
+            # listeners are open, so clients may have published (and been acknowledged)
+            # already, and those records are this bridge's to send. (Below next_offset: a
+            # replicated partition's log may have been cut back since.)
+            end = min(store.opened_at, store.next_offset)
             saved = store.meta_at_open.get(cursor_key(cfg.name))
-            # A new bridge starts at the log's end; a saved cursor past it (the log's tail
-            # was cut at start-up) comes back to it.
+            # A new bridge starts at that end; a saved cursor past it (the log's tail was
+            # cut at start-up, and its offsets are written again) comes back to it.
             cursor = min(int(saved), end) if saved and saved.isdigit() else end
         self.saved = None
         self.owner = not self.clustered  # holds the remote subscription (cluster: the etcd lease)
@@ -348,8 +352,10 @@ class Bridge:
                         self.address, now - self.last_rx, ka)
             wire.abort()
             return
-        elif now - self.last_tx >= ka:
-            wire.write(b"\xc0\x00")  # PINGREQ
+        else:
+            if now - self.last_tx >= ka:
+                wire.write(b"\xc0\x00")  # PINGREQ
+            self.wake()  # (a read that came back short is tried again)
         self._tick_handle = asyncio.get_running_loop().call_later(min(_TICK, ka / 4), self._tick)
 
     # --- what the remote sends -------------------------------------------------------------
@@ -505,8 +511,17 @@ class Bridge:
         if session.read_pos < end and not session.full:
             room = session.window - len(session.inflight)
             recs = store.read(session.read_pos, max(64, min(_READ_CHUNK, room)))
-            if not recs:  # a damaged stretch of the log (its reader logged it): past it
-                session.read_pos = min(session.read_pos + _READ_CHUNK, end)
+            retry = False
+            if not recs:
+                # Past a stretch the log's reader found damaged (it logged it); nothing else
+                # makes a read below the end come back empty for good (retention deleting the
+                # records meanwhile is seen next turn, above), so look again on the next
+                # tick, never passing over records unsent.
+                past = store.unreadable_end(session.read_pos)
+                if past is not None:
+                    session.read_pos = min(past, end)
+                else:
+                    retry = True
             now = time.time()
             out = []
             take = session.take
@@ -519,7 +534,7 @@ class Bridge:
             if out:
                 wire.transport.writelines(out)
                 self.last_tx = monotonic()
-            if session.read_pos < end and not session.full:
+            if session.read_pos < end and not session.full and not retry:
                 self.wake()
             self._note_drops()
         self._save_cursor()

@@ -33,9 +33,12 @@ def catch_up(router, session, max_records=2000):
             if start < persist.start_offset:
                 start = persist.start_offset  # deleted by retention (counted there)
                 continue
-            if start < persist.next_offset and start < persist.store.written_through:
-                start += 500  # a damaged stretch of the log (logged by the reader): skip it
-                scanned += 500
+            # Past a stretch the log's reader found damaged (and logged); an empty read
+            # for any other reason is tried again (next turn), never passed over.
+            past = persist.store.unreadable_end(start) if start < persist.next_offset else None
+            if past is not None:
+                scanned += past - start
+                start = past
                 continue
             break
         for item in items:

@@ -278,8 +278,15 @@ class Replay:
                     log.info("cluster: replaying node %s's messages from offset %d (log end %d)", peer.name,
                              cursor, end)
             recs = persist.read(cursor, 500)
-            if not recs:  # a damaged stretch of the log (logged by the reader): skip it
-                cursor = min(cursor + 500, end)
+            if not recs:
+                # Past a stretch the log's reader found damaged (and logged); an empty read
+                # for any other reason (retention deleting it meanwhile, seen above) is
+                # tried again, never passed over.
+                past = persist.store.unreadable_end(cursor)
+                if past is not None:
+                    cursor = min(past, end)
+                else:
+                    await asyncio.sleep(0.01)
                 continue
             # The frames in slices, a loop turn each: reading the records takes a turn
             # already, and their frames all at once would hold up every client of the node

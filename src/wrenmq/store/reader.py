@@ -54,6 +54,11 @@ class _OffsetSet:
         self.total += new
         return new
 
+    def end_of(self, offset):
+        """The end of the range holding `offset`, or None if it is not in the set."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        return self.ends[i] if i >= 0 and self.ends[i] > offset else None
+
 
 class LogReader:
     """Reads one partition directory; safe to use while a writer (here or in another
@@ -72,6 +77,12 @@ class LogReader:
     def corrupt_records(self):
         """How many distinct offsets this reader found unreadable (skipped, never served)."""
         return self._lost.total
+
+    def unreadable_end(self, offset):
+        """The offset after the stretch of unreadable records (found, skipped and logged
+        by a read) that holds `offset`; None if the record at `offset` is not known to be
+        unreadable."""
+        return self._lost.end_of(offset)
 
     # --- discovery ---------------------------------------------------------
 

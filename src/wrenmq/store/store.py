@@ -708,6 +708,15 @@ class Store(EpochAppender):
             self._read_disk(start, min(self.next_offset, start + limit - len(out)), out)
         return out
 
+    def unreadable_end(self, offset):
+        """Where the stretch of damaged records holding `offset` ends, if a `read` found
+        them unreadable (and logged them): `read` never returns them, and a reader
+        following the log goes on from there. None if the record at `offset` is not known
+        to be damaged: a `read` from there that came back empty (retention deleting the
+        records meanwhile) is to be tried again, not passed over."""
+        reader = self._reader
+        return reader.unreadable_end(offset) if reader is not None else None
+
     def _read_disk(self, start, end, out):
         """Append the records start..end-1 from the log files to `out`; return the offset
         after the last one read, below `end` if they did not all come (retention deleted

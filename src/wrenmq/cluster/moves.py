@@ -247,8 +247,13 @@ class Moves:
         rid, cid = F.decode_session_ask(body)
         peer = links.peers.get(requester)
         services = cluster.services
-        if services is not None and cid in self._claiming and waited < services.claim_wait:
-            # (this node is taking the session from another: the ask is answered once it has)
+        if (cid in self._claiming or cluster.membership.registering(cid)) and \
+                waited < (services.claim_wait if services is not None else _HANDOVER_TIMEOUT / 2):
+            # (this node is taking the session from another: the ask is answered once it has;
+            # or its registration of the client is still on its way to etcd (the client has
+            # just connected here, or gave up a CONNECT whose session came here meanwhile):
+            # answered once it is there, else the asking node's registration could be
+            # written first, and then overwritten, or deleted as the session ends here)
             if inlink is None or not inlink.transport.is_closing():
                 cluster.loop.call_later(_ASK_RETRY, self.session_asked, requester, body, inlink, waited + _ASK_RETRY)
             return

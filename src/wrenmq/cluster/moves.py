@@ -259,6 +259,12 @@ class Moves:
             return
         if peer is None:
             return
+        if cluster.gate is not None and cluster.stopping:
+            # (This broker is stopping: a hosted one handing its partition back, say. Its
+            # answer would wait for a commit its stop may not see go out, and the session,
+            # ended here and committed, would be gone with it. Unanswered, the ask goes
+            # again through the next link, to the partition's next broker, which has it.)
+            return
         if services is not None and not all(map(links.replayed_here, links.peers)):
             if inlink is not None and inlink.transport.is_closing():
                 return

@@ -284,3 +284,43 @@ def test_a_client_that_floods_after_the_close_is_cut_off_at_the_byte_bound(serve
     assert error is not None, "16 MiB sent after the DISCONNECT, and still open"
     assert wait_for(lambda: "bytes after its connection was closed" in caplog.text)
     assert wait_for(lambda: b.call(lambda: len(b.broker.connections)) == 0)
+
+
+def test_a_stop_that_drops_what_it_held_sends_nothing_it_produces_while_stopping(make_broker, raw_client, tmp_path):
+    """A replicated partition's leader that lost its leadership stops its broker with
+    discard_held: what it held was never committed, and neither is what it produces while
+    it stops, with its clients' connections still open and read (their acknowledgements,
+    the QoS 2 releases a subscriber's PUBREC asks for): none of that may go out (a PUBREL
+    sent so, for a release no other node knows of, had the subscriber take the message's
+    redelivery there as a new one). The closing DISCONNECT goes."""
+    import asyncio
+    import threading
+
+    from mqtt_helpers import raw_connect
+    from wrenmq.broker.hooks import Extension
+
+    class SlowToStop(Extension):  # (the cluster's stop, that leaves etcd, takes a while too)
+        def __init__(self):
+            self.stopping = threading.Event()
+
+        async def stop(self):
+            self.stopping.set()
+            await asyncio.sleep(1.5)
+
+    b = make_broker(f"[storage]\ndata_dir = \"{tmp_path / 'data'}\"\n")
+    ext = SlowToStop()
+    b.call(b.broker.add_extension, ext)
+    c, ack = raw_connect(raw_client, b.port, C.MQTT5)
+    assert ack.reason_code == 0
+    stopped = asyncio.run_coroutine_threadsafe(b.broker.stop(C.USE_ANOTHER_SERVER, discard_held=True), b.loop)
+    assert ext.stopping.wait(5)
+    c.send(Publish("t", b"during the stop", qos=2, packet_id=7))
+    c.send(Publish("t", b"during the stop", qos=1, packet_id=8))
+    got = []
+    while True:
+        pkt = c.recv(5)
+        if pkt is None:
+            break
+        got.append(pkt)
+    stopped.result(10)
+    assert [(p.TYPE, p.reason_code) for p in got] == [(C.DISCONNECT, C.USE_ANOTHER_SERVER)], got

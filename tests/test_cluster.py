@@ -613,6 +613,41 @@ def test_a_session_moving_away_misses_nothing_from_a_node_that_may_hear_of_the_m
             s.close()
 
 
+def test_a_session_moving_to_its_publishers_node_gets_what_was_published_there_meanwhile_in_order(cluster):
+    # The publisher is on node b, the session moves from a to b. What b publishes while it
+    # asks a for the session goes to a (the session is there), which passes on what it
+    # takes after the hand-over (RELAY): here 0.4 s late (b's link port, as a reaches it,
+    # hands on late), so it would arrive behind what b publishes once it has the session
+    # and delivers directly. b gives the session those messages itself, from its own log,
+    # from where a said it had taken b's log to: in order, each once.
+    cl = cluster()
+    cl.start("a", storage=disk(cl, "a"))
+    host = cl.etcd.endpoint.rsplit(":", 1)[0]
+    link = free_port()
+    slow = SlowLink(link, 0.4)
+    try:
+        b = ServedBroker(cl.tmp, cl.config("b", link, storage=disk(cl, "b"), advertise=f"{host}:{slow.port}"))
+        b.link_port = link
+        cl.nodes["b"] = b
+        links_up(cl, "a", "b")
+        cid, props = uid("mvo"), {"SessionExpiryInterval": 300}
+        first = cl.client("a", client_id=cid, clean=False, properties=props)
+        first._reconnect_on_failure = False
+        sub(first, "mvo/#", 1)
+        pub = cl.client("b")
+        await_route(pub, first, "mvo/probe")
+        sent, before, after = move_while_publishing(cl, pub, first, cid, props, "mvo/x", "b", hold=1.5)
+        missed = sorted(set(sent) - set(before) - set(after))
+        assert len(sent) > 100 and not missed, (len(sent), len(missed), missed[:20])
+        firsts = list(dict.fromkeys(after))
+        late = [n for i, n in enumerate(firsts) if i and n < max(firsts[:i])]
+        assert not late, (len(late), late[:20])
+        twice = [i for i, n in collections.Counter(after).items() if n > 1 and i not in before]
+        assert not twice, twice[:20]
+    finally:
+        slow.close()
+
+
 def test_a_session_moving_away_takes_what_its_old_node_kept_for_it_in_the_log(cluster):
     # Offline past max_queued_offline, a session's later messages wait in its node's
     # commit log, not in memory. Its client comes back on another node, which cannot

@@ -17,6 +17,7 @@ import pytest
 
 from chaos_checker import PublisherLog, SubscriberLog, check, unavailability
 from cluster_harness import Cluster, EtcdCluster, Network, under_load
+from conftest import paho_client
 from mqtt_helpers import drain, publish, sub, uid, wait_for
 from wrenmq.cluster import frames as F
 
@@ -320,6 +321,36 @@ def _sub(name, got, qos=2, subscribed_at=999.0, connects=None):
                       for i, (p, seq, q) in enumerate(got)]
     log.connects = connects or [(999.0, "a", False)]
     return log
+
+
+def test_a_publisher_whose_pubrel_gets_pubcomp_0x92_has_it_acknowledged_and_never_sends_it_again(broker):
+    """A QoS 2 message past PUBREC whose PUBCOMP was lost with its node: the session's new
+    node completed the exchange already (its log had the release) and answers the PUBREL
+    sent again with PUBCOMP 0x92, packet identifier not found. The workload's publisher
+    counts the message acknowledged and never publishes it again: a new PUBLISH of it
+    would be a second message no broker can tell from the first (a QoS 2 duplicate the
+    checker would blame on the cluster)."""
+    from chaos_workload import Publisher
+    from wrenmq.mqtt import constants as C
+
+    cid = uid("pubrel")
+    keep = paho_client(broker.port, client_id=cid, clean=False, properties={"SessionExpiryInterval": 600})
+    keep.disconnect()
+    keep.loop_stop()
+    p = Publisher("p", C.MQTT5, 2, {"x": broker.port}, "x", "t", rate=10.0, cid=cid)
+    p.publishing = False
+    p.log.sent[0] = (time.time(), "t/m/p", b"p:0", False)
+    p.next_seq = 1
+    p.inflight[7] = [0, "pubrel"]  # (its PUBREC came, its PUBREL went; PUBCOMP did not)
+    p.start()
+    try:
+        assert wait_for(lambda: p.snapshot().acked, 10), p.snapshot()
+        time.sleep(0.5)
+    finally:
+        p.stop()
+    log = p.snapshot()
+    assert list(log.acked) == [0] and log.refused == 0 and p.pending == 0
+    assert log.connects and log.connects[0][2] is True  # (session present: the PUBREL was sent again)
 
 
 def test_checker_counts_what_was_lost_duplicated_or_reordered():

@@ -34,12 +34,16 @@ def catch_up(router, session, max_records=2000):
                 start = persist.start_offset  # deleted by retention (counted there)
                 continue
             # Past a stretch the log's reader found damaged (and logged); an empty read
-            # for any other reason is tried again (next turn), never passed over.
+            # for any other reason is tried again (next turn), never passed over, but
+            # for one: what is left of a replicated log is state records, which no read
+            # returns (each epoch's changes end it as one): nothing more to read, live.
             past = persist.store.unreadable_end(start) if start < persist.next_offset else None
             if past is not None:
                 scanned += past - start
                 start = past
                 continue
+            if persist.store.replicated:
+                start = max(start, persist.next_offset)
             break
         for item in items:
             off = item.offset

@@ -482,6 +482,11 @@ class Membership:
             self._pending[f"{self.cluster.prefix}{CLIENTS}{cid}".encode()] = None
             self._kick()
 
+    def registering(self, cid):
+        """Whether this node's registration of client `cid` is still to be written, or on
+        its way to etcd."""
+        return cid in self._pending_clients
+
     def disown(self, cid):
         """Client `cid`'s session went to another node, which registers the client next:
         its registration here is not this node's to delete any more."""

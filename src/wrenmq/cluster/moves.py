@@ -42,6 +42,9 @@ _ASK_RETRY = 0.1
 _HANDED_KEPT = 60.0
 _HANDED_MAX = 100_000
 _HOPS = 4  # nodes an ask follows a session to (`_ask_partition`)
+# Records of this node's log a session taken in reads for what its old node had not taken
+# (`Moves._deliver_own`): as many as a session handed over reads back from its log.
+_OWN_READ_MAX = 200_000
 
 
 class _Moved:
@@ -98,6 +101,7 @@ class Moves:
         self._answers_held = {}
         self._handed = {}  # client id -> (the node its session went to, until when), oldest first
         self._claiming = set()  # client ids whose session `claim` is taking from another node
+        self._claim_from = {}  # client id -> this node's log end when `claim` began asking for it
 
     async def claim(self, cid, gone=None):
         """Before a CONNECT with clean start 0 whose session is not here: ask the node
@@ -117,16 +121,21 @@ class Moves:
         if owner is None or owner == cluster.node:
             return False
         peer = peers.get(owner)
-        if services is None:
-            if peer is None:
-                return False
-            taken = await self._ask(peer, owner, cid, _HANDOVER_TIMEOUT)
-        else:
-            self._claiming.add(cid)
-            try:
-                taken = await self._ask_partition(owner, cid, services.claim_wait, gone)
-            finally:
-                self._claiming.discard(cid)
+        persist = self.router.persist
+        self._claim_from[cid] = persist.next_offset if persist is not None else 0
+        try:
+            if services is None:
+                if peer is None:
+                    return False
+                taken = await self._ask(peer, owner, cid, _HANDOVER_TIMEOUT)
+            else:
+                self._claiming.add(cid)
+                try:
+                    taken = await self._ask_partition(owner, cid, services.claim_wait, gone)
+                finally:
+                    self._claiming.discard(cid)
+        finally:
+            self._claim_from.pop(cid, None)
         if not taken:  # (False: no answer in time; None: no session there)
             return False
         if gone is not None and gone():
@@ -238,12 +247,23 @@ class Moves:
         rid, cid = F.decode_session_ask(body)
         peer = links.peers.get(requester)
         services = cluster.services
-        if services is not None and cid in self._claiming and waited < services.claim_wait:
-            # (this node is taking the session from another: the ask is answered once it has)
+        if (cid in self._claiming or cluster.membership.registering(cid)) and \
+                waited < (services.claim_wait if services is not None else _HANDOVER_TIMEOUT / 2):
+            # (this node is taking the session from another: the ask is answered once it has;
+            # or its registration of the client is still on its way to etcd (the client has
+            # just connected here, or gave up a CONNECT whose session came here meanwhile):
+            # answered once it is there, else the asking node's registration could be
+            # written first, and then overwritten, or deleted as the session ends here)
             if inlink is None or not inlink.transport.is_closing():
                 cluster.loop.call_later(_ASK_RETRY, self.session_asked, requester, body, inlink, waited + _ASK_RETRY)
             return
         if peer is None:
+            return
+        if cluster.gate is not None and cluster.stopping:
+            # (This broker is stopping: a hosted one handing its partition back, say. Its
+            # answer would wait for a commit its stop may not see go out, and the session,
+            # ended here and committed, would be gone with it. Unanswered, the ask goes
+            # again through the next link, to the partition's next broker, which has it.)
             return
         if services is not None and not all(map(links.replayed_here, links.peers)):
             if inlink is not None and inlink.transport.is_closing():
@@ -263,6 +283,11 @@ class Moves:
             cluster.links.send_control(peer, F.encode_session(answer, ()))
             return
         state, pubs = session_state(session, rid, router.clock(), cluster.link_buffer)
+        # How far this node took the asking node's log: what the session holds of it ends
+        # there, and the asking node gives it the rest itself (`_deliver_own`).
+        mark = cluster.replay.applied.get(requester)
+        if mark is not None:
+            state["taken"] = [mark[0], mark[1]]
         cluster.membership.disown(cid)  # the asking node registers the client next
         # From now on the session's filters are the asking node's: what this node takes
         # for them goes there (on the link, after the session), not nowhere until that
@@ -347,8 +372,60 @@ class Moves:
             until = self.cluster.loop.time() + 2 * _RELAY_FOR
             self.moved_in[cid] = (held, set(), until)
             self._moved_due.append((until, cid))
+            if held is session and _own_filters(held):
+                self._deliver_own(session, self.moved_in[cid][1], state.get("taken"))
         self._expire()
         fut.set_result((session, len(pkts), state.get("dropped")))
+
+    def _deliver_own(self, session, seen, taken):
+        """A session just taken in: give it, from this node's log, the messages published here
+        that its old node had not taken when it handed it over (`taken`: its mark of this
+        node's log then; without one, from when this node began asking).
+
+        This node sent those to the old node, where the session was: the old node passes on
+        what it takes of them after the hand-over (RELAY), but a round trip and its commit
+        later, behind what this node delivers to the session directly by then (out of order),
+        and not at all if it stops first (a hosted broker handing its partition back). So
+        they come from here, in log order, ahead of anything newer, and each is noted in
+        `seen`: the old node's RELAY of it is then dropped as a copy."""
+        persist = self.router.persist
+        if persist is None:
+            return
+        log_id = self.cluster.replay.log_id
+        end = persist.next_offset
+        if taken and taken[0] == log_id and int(taken[1]) >= 0:
+            start = int(taken[1]) + 1
+        else:
+            start = self._claim_from.get(session.client_id, end)
+        start = max(start, persist.start_offset)
+        router = self.router
+        cid = session.client_id
+        scanned = 0
+        while start < end and scanned < _OWN_READ_MAX:
+            recs = persist.read(start, min(500, end - start))
+            if not recs:
+                # Past a stretch the log's reader found damaged (and logged); an empty read
+                # for any other reason ends it here (what is left comes by RELAY).
+                past = persist.store.unreadable_end(start)
+                if past is None:
+                    break
+                scanned += past - start
+                start = past
+                continue
+            for rec in recs:
+                off = rec.offset
+                if off >= end:
+                    break
+                start = off + 1
+                scanned += 1
+                if rec.private:  # (another node's message, or one for a session here: not sent to the old node)
+                    continue
+                mine = [e for e in router.matching(rec.topic)[0] if e[0] is session]
+                if not mine or (mine[0][4] and rec.client_id == cid):
+                    continue
+                router.deliver_to(session, persist.message_from_record(rec))
+                seen.add((log_id, off))
+                self._seen_total += 1
 
     def _expire(self):
         """Forget the sessions whose time for RELAY is over (oldest first)."""

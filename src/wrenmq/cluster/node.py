@@ -87,6 +87,7 @@ class Cluster:
         self.wanted = self.forwarding.wanted
         # What writes this node's view of its links to etcd for `wrenmq cluster status`.
         self.link_view = None
+        self.stopping = False  # (stop() began: with replicas > 1 no session is handed over any more)
 
     @property
     def etcd_up(self):
@@ -142,6 +143,7 @@ class Cluster:
 
     async def stop(self):
         """Leave at once (revoke the lease: the others drop this node's keys now)."""
+        self.stopping = True
         if self.gate is not None:
             # (What waits for the HW, a session handed over say, goes before the links close.)
             await self.gate.drained(5.0)

@@ -281,10 +281,14 @@ class Replay:
             if not recs:
                 # Past a stretch the log's reader found damaged (and logged); an empty read
                 # for any other reason (retention deleting it meanwhile, seen above) is
-                # tried again, never passed over.
+                # tried again, never passed over, but for one: what is left of a replicated
+                # log (replicas > 1) is state records, which no read returns (each epoch's
+                # changes end it as one), and the replay is over.
                 past = persist.store.unreadable_end(cursor)
                 if past is not None:
                     cursor = min(past, end)
+                elif gate is not None and cursor >= persist.start_offset:
+                    cursor = end
                 else:
                     await asyncio.sleep(0.01)
                 continue

@@ -231,8 +231,12 @@ def _published_batches(out):
 
 
 def _staged(staging):
-    return [f for f in Path(staging).rglob("*.parquet") if "_temporary" not in str(f)] if Path(staging).exists() \
-        else []
+    """The Parquet files staged now; [] while the job moves a directory under the walk
+    (the caller looks again)."""
+    try:
+        return [f for f in Path(staging).rglob("*.parquet") if "_temporary" not in str(f)]
+    except FileNotFoundError:
+        return []
 
 
 class Publisher(threading.Thread):

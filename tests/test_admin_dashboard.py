@@ -25,6 +25,7 @@ if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -60,7 +61,11 @@ def login(driver, user):
 
 
 def until(driver, cond, timeout=10):
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: cond(d))
+    """cond(driver) once truthy; an element the page re-rendered meanwhile (stale) or not
+    there yet counts as not yet."""
+    return WebDriverWait(driver, timeout, poll_frequency=0.1,
+                         ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)
+                         ).until(lambda d: cond(d))
 
 
 def tab(driver, name):
@@ -149,8 +154,10 @@ def test_a_read_only_user_sees_no_buttons_that_change(browser, admin, clients):
         browser.get(f"http://127.0.0.1:{admin.admin_port}/")
         until(browser, lambda d: "read-only" in d.find_element(By.ID, "who").text)
         tab(browser, "clients")
-        row = until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f'#clients-table tr[data-client-id="{cid}"]'))[0]
-        assert not row.find_element(By.CSS_SELECTOR, "button.kick").is_displayed()
+        # (the table is drawn again as figures come: the row is looked up and read in one go)
+        kick = until(browser, lambda d: ("shown" if d.find_element(
+            By.CSS_SELECTOR, f'#clients-table tr[data-client-id="{cid}"] button.kick').is_displayed() else "hidden"))
+        assert kick == "hidden"
         assert not browser.find_element(By.ID, "open-publish").is_displayed()
     finally:
         login(browser, "ops")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ha_helpers import Etcd, HACluster
-from mqtt_helpers import drain, publish, raw_connect, raw_next, sub, uid, wait_for
+from mqtt_helpers import drain, publish, raw_connect, raw_next, session_present, sub, uid, unsub, wait_for
 from wrenmq.mqtt import constants as C
 from wrenmq.mqtt.packets import Publish
 from wrenmq.config import load
@@ -175,3 +175,68 @@ def test_fewer_than_min_insync_in_sync_refuses_qos1_and_qos2(ha, raw_client):
     time.sleep(0.5)
     payloads = {p for _, _, p in a.log_records("a")}
     assert b"q0" in payloads and not payloads & {b"x", b"y", b"z"}, "a refused PUBLISH was logged"
+
+
+def test_a_restarted_cluster_catches_sessions_up_past_a_long_run_of_state_records(ha, clients):
+    """A replicated log holds one state record per loop turn that changed session state:
+    600 subscription changes in a row, with no message between, are 600 records no read
+    returns. A persistent session owed the messages before and after them gets both after
+    every node is killed (-9) and restarted: the catch-up from the session's place in the
+    log passes over the state records, not over what follows them. (It used to take a read
+    that came back empty as the log's end, and the message was never sent.)"""
+    cl = ha().start()
+    a = cl["a"]
+    cid = uid("owed")
+    s = clients(a.port, client_id=cid, clean=False, properties={"SessionExpiryInterval": 600}, version=5)
+    assert sub(s, "after/#", 1) == [1]
+    s.disconnect()
+    s.loop_stop()
+    pub = clients(a.port)
+    publish(pub, "after/0", b"owed 0", qos=1)  # (the session's place in the log: the catch-up starts here)
+    churn = clients(a.port, client_id=uid("churn"), clean=False, properties={"SessionExpiryInterval": 600},
+                    version=5)
+    for _ in range(300):
+        sub(churn, "churn/x", 1)
+        unsub(churn, "churn/x")
+    publish(pub, "after/1", b"owed 1", qos=1)
+    assert wait_for(lambda: caught_up(cl), 30, 0.25), cl.status()
+    for node in cl.nodes.values():
+        node.kill()
+    offsets = [o for o, t, _ in a.log_records("a") if t == "after/1"]
+    assert offsets, "the message is not in node a's log"
+    before = [o for o, _, _ in a.log_records("a") if o < offsets[0]]
+    assert offsets[0] - (before[-1] if before else -1) > 600, "no long run of state records before the message"
+    cl.start()
+    s = clients(a.port, client_id=cid, clean=False, properties={"SessionExpiryInterval": 600}, version=5)
+    assert session_present(s)
+    got = []
+    wait_for(lambda: got.extend(m.payload for m in drain(s)) or b"owed 1" in got, 20, 0.2)
+    assert got == [b"owed 0", b"owed 1"], got
+
+
+def test_a_bridge_on_a_replicated_log_passes_over_runs_of_state_records(ha, clients, mosquitto):
+    """Each node's bridge sends what its own clients publish, read from its log; with
+    replicas > 1 that log holds a state record per loop turn that changed session state,
+    which no read returns. 200 subscription changes in a row between two messages do not
+    stop the bridge: the second message reaches the remote too. (A read that came back
+    empty used to be tried again from the same place, and once more state records than
+    one read looks at had piled up there, the bridge sent nothing more.)"""
+    remote = mosquitto()
+    app = clients(remote.port, client_id=uid("cloud-app"), version=4)
+    sub(app, "up/#", 1)
+    bridge = (f'[[bridge]]\nname = "cloud"\naddress = "127.0.0.1:{remote.port}"\nreconnect_delay = 0.1\n'
+              'reconnect_max = 0.5\n[[bridge.topic]]\npattern = "up/#"\n')
+    cl = ha(toml=bridge).start()
+    a = cl["a"]
+    pub = clients(a.port)
+    publish(pub, "up/0", b"first", qos=1)
+    got = []
+    assert wait_for(lambda: got.extend(m.payload for m in drain(app)) or b"first" in got, 20, 0.2), got
+    churn = clients(a.port, client_id=uid("churn"), clean=False, properties={"SessionExpiryInterval": 600},
+                    version=5)
+    for _ in range(100):
+        sub(churn, "churn/x", 1)
+        unsub(churn, "churn/x")
+    publish(pub, "up/1", b"second", qos=1)
+    assert wait_for(lambda: got.extend(m.payload for m in drain(app)) or b"second" in got, 20, 0.2), got
+    assert got == [b"first", b"second"], got

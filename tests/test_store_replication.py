@@ -285,9 +285,15 @@ def test_the_brokers_reads_leave_state_records_out(tmp_path):
             assert [r.offset for r in leader.read(2, 100)] == offsets[2:], phase
             assert [r.offset for r in leader.read(5, 3)] == [6, 7], phase
             assert leader.read(8, 10) == [], phase
-            # (A limit counts the offsets looked at, state records included, where they
-            # come from the files: callers that got nothing skip that many offsets.)
+            # A limit counts the offsets looked at, state records included, where they come
+            # from the files; `read_span` says where a reader following the log goes on
+            # from: past the state records it looked at, never past a record not returned.
             assert [r.offset for r in leader.read(5, 1)] == ([6] if phase == "memory" else []), phase
+            spans = {(0, 100): (offsets, 9), (5, 3): ([6, 7], 9 if phase == "memory" else 8), (8, 10): ([], 9), (9, 10): ([], 9),
+                     (0, 2): ([0, 1], 2), (2, 1): (([3], 4) if phase == "memory" else ([], 3))}
+            for (start, limit), (want, after) in spans.items():
+                recs, got_after = leader.read_span(start, limit)
+                assert ([r.offset for r in recs], got_after) == (want, after), (phase, start, limit)
             if phase == "memory":
                 leader.start(asyncio.get_running_loop())
                 await until(lambda: leader.written_through == 9)

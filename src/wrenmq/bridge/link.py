@@ -510,14 +510,15 @@ class Bridge:
             session.read_pos = start
         if session.read_pos < end and not session.full:
             room = session.window - len(session.inflight)
-            recs = store.read(session.read_pos, max(64, min(_READ_CHUNK, room)))
+            recs, after = store.read_span(session.read_pos, max(64, min(_READ_CHUNK, room)))
             retry = False
             if not recs:
-                # Past a stretch the log's reader found damaged (it logged it); nothing else
-                # makes a read below the end come back empty for good (retention deleting the
-                # records meanwhile is seen next turn, above), so look again on the next
-                # tick, never passing over records unsent.
-                past = store.unreadable_end(session.read_pos)
+                # Past a stretch of state records (a replicated log's), or one the log's
+                # reader found damaged (it logged it); nothing else makes a read below the
+                # end come back empty for good (retention deleting the records meanwhile is
+                # seen next turn, above), so look again on the next tick, never passing
+                # over records unsent.
+                past = after if after > session.read_pos else store.unreadable_end(session.read_pos)
                 if past is not None:
                     session.read_pos = min(past, end)
                 else:
@@ -531,6 +532,8 @@ class Bridge:
                 packet = take(rec, now)
                 if packet is not None:
                     out.append(packet)
+            if recs and session.read_pos == recs[-1].offset + 1:  # (all taken)
+                session.read_pos = max(session.read_pos, min(after, end))
             if out:
                 wire.transport.writelines(out)
                 self.last_tx = monotonic()

@@ -28,22 +28,22 @@ def catch_up(router, session, max_records=2000):
     scanned = 0
     skip = session.skip_offsets
     while scanned < max_records and queued < want:
-        items = persist.read(start, 500)
+        items, after = persist.read_span(start, 500)
         if not items:
+            if after > start:  # a stretch of state records (replicated log): passed over
+                scanned += after - start
+                start = after
+                continue
             if start < persist.start_offset:
                 start = persist.start_offset  # deleted by retention (counted there)
                 continue
             # Past a stretch the log's reader found damaged (and logged); an empty read
-            # for any other reason is tried again (next turn), never passed over, but
-            # for one: what is left of a replicated log is state records, which no read
-            # returns (each epoch's changes end it as one): nothing more to read, live.
+            # for any other reason is tried again (next turn), never passed over.
             past = persist.store.unreadable_end(start) if start < persist.next_offset else None
             if past is not None:
                 scanned += past - start
                 start = past
                 continue
-            if persist.store.replicated:
-                start = max(start, persist.next_offset)
             break
         for item in items:
             off = item.offset
@@ -66,6 +66,7 @@ def catch_up(router, session, max_records=2000):
             out.maybe_sent = off < session.replay_dup_below
             queues.push(session, out)
             queued += 1
+        start = after  # (and past the state records after the last one)
     if start >= persist.next_offset:
         session.resume_from = None
         session.skip_offsets = None

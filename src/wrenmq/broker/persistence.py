@@ -66,6 +66,9 @@ class Persistence:
     def read(self, start, limit):
         return self.store.read(start, limit)
 
+    def read_span(self, start, limit):
+        return self.store.read_span(start, limit)
+
     def message_from_record(self, rec):
         props = parse_properties_block(rec.properties) if rec.properties else {}
         ts = rec.timestamp / 1e6

@@ -402,11 +402,12 @@ class Moves:
         cid = session.client_id
         scanned = 0
         while start < end and scanned < _OWN_READ_MAX:
-            recs = persist.read(start, min(500, end - start))
+            recs, after = persist.read_span(start, min(500, end - start))
             if not recs:
-                # Past a stretch the log's reader found damaged (and logged); an empty read
-                # for any other reason ends it here (what is left comes by RELAY).
-                past = persist.store.unreadable_end(start)
+                # Past a stretch of state records (replicas > 1), or one the log's reader
+                # found damaged (and logged); an empty read for any other reason ends it
+                # here (what is left comes by RELAY).
+                past = after if after > start else persist.store.unreadable_end(start)
                 if past is None:
                     break
                 scanned += past - start
@@ -426,6 +427,9 @@ class Moves:
                 router.deliver_to(session, persist.message_from_record(rec))
                 seen.add((log_id, off))
                 self._seen_total += 1
+            # Past the state records after the last one too; a read past `end` (a limit
+            # counts records, and state records are left out) ends it.
+            start = min(after, end)
 
     def _expire(self):
         """Forget the sessions whose time for RELAY is over (oldest first)."""

@@ -277,18 +277,16 @@ class Replay:
                 if peer.catch_up is None:  # (a link behind is logged by fall_behind)
                     log.info("cluster: replaying node %s's messages from offset %d (log end %d)", peer.name,
                              cursor, end)
-            recs = persist.read(cursor, 500)
+            recs, after = persist.read_span(cursor, 500)
             if not recs:
-                # Past a stretch the log's reader found damaged (and logged); an empty read
-                # for any other reason (retention deleting it meanwhile, seen above) is
-                # tried again, never passed over, but for one: what is left of a replicated
-                # log (replicas > 1) is state records, which no read returns (each epoch's
-                # changes end it as one), and the replay is over.
-                past = persist.store.unreadable_end(cursor)
+                # Past a stretch of state records (replicas > 1: session changes, and the
+                # one that ends each epoch), or one the log's reader found damaged (and
+                # logged); an empty read for any other reason (retention deleting it
+                # meanwhile, seen above) is tried again, never passed over.
+                past = after if after > cursor else persist.store.unreadable_end(cursor)
                 if past is not None:
                     cursor = min(past, end)
-                elif gate is not None and cursor >= persist.start_offset:
-                    cursor = end
+                    peer.resume_from = cursor
                 else:
                     await asyncio.sleep(0.01)
                 continue
@@ -311,6 +309,8 @@ class Replay:
                     self.replayed += len(frames)
                 peer.resume_from = cursor
                 await asyncio.sleep(0)
+            cursor = after  # (and past the state records after the last one)
+            peer.resume_from = cursor
 
     def _replay_frame(self, name, rec, now, sent=None):
         """The FORWARD of one log record for node `name`, if it is for it (its filters as

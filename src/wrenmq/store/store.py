@@ -665,19 +665,29 @@ class Store(EpochAppender):
     # --- reading back ------------------------------------------------------------
 
     def read(self, start, limit):
-        """Up to `limit` records (format.Record) with offset >= start, in order.
+        """Up to `limit` records (format.Record) with offset >= start, in order: `read_span`'s
+        records."""
+        return self.read_span(start, limit)[0]
+
+    def read_span(self, start, limit):
+        """Up to `limit` records (format.Record) with offset >= start, in order, and the
+        offset a reader following the log goes on from.
 
         Offsets the writer has not written yet come from memory, the rest from the log
         files; private records included (the caller is the broker), state records
-        (replicated) left out. Runs on the loop while the writer may release epochs: each
-        epoch's records are taken once.
+        (replicated) left out. Those are why the second value matters: a stretch of state
+        records (a replicated log's session changes, any number of them, and the one that
+        ends each epoch) yields no record, and the reader passes over it to there. Never
+        past a record not returned: a read that stops short (retention, a damaged
+        stretch, `unreadable_end`) says where it stopped. Runs on the loop while the
+        writer may release epochs: each epoch's records are taken once.
         """
         out = []
         if start >= self.next_offset:
-            return out
+            return out, start
         for ep in list(self._tail):
             if len(out) >= limit:
-                return out
+                return out, start
             # The writer may release the epoch any time; these references stay, and only
             # the loop reuses released buffers.
             buffers = (ep.fixed, ep.var)
@@ -690,7 +700,7 @@ class Store(EpochAppender):
             if start < base:  # everything before an epoch still in memory is written
                 start = self._read_disk(start, min(base, start + limit - len(out)), out)
                 if start < base:  # (not all came, or the limit)
-                    return out
+                    return out, start
             i = start - base
             if self.replicated:
                 fixed = buffers[0]
@@ -705,8 +715,8 @@ class Store(EpochAppender):
             start = base + i
         if len(out) < limit and start < self.next_offset:
             # After the last epoch still in memory, or no epoch is: on disk.
-            self._read_disk(start, min(self.next_offset, start + limit - len(out)), out)
-        return out
+            start = self._read_disk(start, min(self.next_offset, start + limit - len(out)), out)
+        return out, start
 
     def unreadable_end(self, offset):
         """Where the stretch of damaged records holding `offset` ends, if a `read` found

@@ -489,3 +489,56 @@ def test_replication_runs_over_the_links_mutual_tls(cluster, tmp_path):
     assert recs["d"]["isr"] == ["d"], recs
     assert all("d" not in rec["isr"] for p, rec in recs.items() if p != "d"), recs
     assert wait_for(lambda: "CERTIFICATE_VERIFY_FAILED" in cl["d"].log, 30, 0.5), cl["d"].log[-3000:]
+
+
+def test_a_session_claimed_for_a_client_that_left_is_found_after_the_hand_back(cluster, raw_client):
+    """A client of a killed node a connects (clean start 0) to node B, which claims its session
+    from a's hosted broker; the client gives up before the session comes and connects to node Z,
+    which reads etcd (a still holds the client) and asks partition a. B gets the session after
+    the client left: it keeps it and registers the client. a comes back and takes its partition
+    back before Z's ask is answered: the restarted a holds none of the session (B took it) and
+    knows nothing of where it went (the hosted broker that handed it over is gone). Z asks the
+    node etcd names now (B) instead of starting a new session: session present 1, and the
+    message queued for it."""
+    cl = cluster(nodes="abcd", extra_toml="[limits]\nconnect_timeout = 60\n")
+    cl.start()
+    wait_whole(cl)
+    cid = uid("claimleft")
+    s = paho_client(cl["a"].port, client_id=cid, version=4, clean=False)
+    assert sub(s, "owed/#", 1) == [1]
+    s.disconnect()
+    s.loop_stop()
+    pub = paho_client(cl["a"].port)
+    pub.publish("owed/1", b"kept for it", 1).wait_for_publish(10)
+    pub.disconnect()
+    pub.loop_stop()
+    time.sleep(1.0)  # (the session and its message committed on a's replicas)
+    replicas = records(cl)["a"]["replicas"]
+    (z,) = set("bcd") - set(replicas)
+    cl["a"].kill()
+    host = wait_for(lambda: taken_over(cl, "a"), 40, 0.1)
+    assert host, f"nobody took a over: {records(cl)} {status(cl)}"
+    (b,) = set(replicas) - {"a", host}
+    # What a's hosted broker sends b and z waits (the harness's relays carry what a node,
+    # hosted or not, sends on its links under its name): its answers to their asks.
+    cl.net.cut("a", b)
+    cl.net.cut("a", z)
+    first = raw_client(cl[b].port, C.MQTT311)
+    first.send(Connect(cid, version=C.MQTT311, clean_start=False))
+    time.sleep(2.0)  # (b's ask is at the hosted broker, which hands the session over)
+    first.sock.close()  # (the client gives up)
+    second = raw_client(cl[z].port, C.MQTT311)
+    second.send(Connect(cid, version=C.MQTT311, clean_start=False))
+    time.sleep(1.0)  # (z has read etcd, which names a, and asked a's hosted broker)
+    cl.net.heal("a", b)
+    assert wait_for(lambda: cl.client_owners().get(cid) == b, 10, 0.1), \
+        f"node {b} did not register the session it took: {cl.client_owners().get(cid)}"
+    cl["a"].start(wait=False)
+    assert wait_for(lambda: records(cl)["a"]["leader"] == "a" and status(cl)["a"]["state"] == "serving", 60, 0.1), \
+        f"a did not take its partition back: {records(cl)} {status(cl)}"
+    cl.net.heal("a", z)  # (z's ask goes to a now: its link to the hosted broker went with it)
+    ack = raw_next(second, C.CONNACK, 60)
+    assert ack is not None and ack.reason_code == 0, ack
+    assert ack.session_present, "the session was lost: a new one was made"
+    msg = raw_next(second, C.PUBLISH, 20)
+    assert msg is not None and msg.payload == b"kept for it", msg

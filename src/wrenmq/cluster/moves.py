@@ -178,11 +178,14 @@ class Moves:
         it); a link that goes before the answer came is asked again through the next. A
         node that handed the session on to another says where (a client that gave up a
         CONNECT that claimed it, and came here): that node is asked next, unless this
-        CONNECT was given up too (`gone()`)."""
+        CONNECT was given up too (`gone()`); so is the node etcd names for the client now,
+        if another, when the node asked has no session and cannot say where it went
+        (`_registered_elsewhere`)."""
         cluster = self.cluster
         links = cluster.links
         deadline = cluster.loop.time() + timeout
         hops = 0
+        asked = set()  # nodes that had no session and could not say where it went
         while True:
             peer = await self._linked(owner, deadline - cluster.loop.time())
             if peer is None:
@@ -205,16 +208,45 @@ class Moves:
                 self._asks.pop(rid, None)
             if fut.done():
                 answer = fut.result()
-                if type(answer) is not _Moved:
+                if answer is None:
+                    asked.add(owner)
+                    if gone is not None and gone():
+                        return None
+                    node = await self._registered_elsewhere(cid)
+                    if node is None or node in asked:
+                        return None
+                    log.info("cluster: node %s has no session of %s, which etcd now says node %s holds: asking there",
+                             owner, cid, node)
+                elif type(answer) is _Moved:
+                    node = answer.node
+                    log.info("cluster: node %s handed %s's session to node %s: asking there", owner, cid, node)
+                else:
                     return answer
                 hops += 1
-                if answer.node == cluster.node or hops > _HOPS or (gone is not None and gone()):
+                if node == cluster.node or hops > _HOPS or (gone is not None and gone()):
                     return None
-                log.info("cluster: node %s handed %s's session to node %s: asking there", owner, cid, answer.node)
-                owner = answer.node
+                owner = node
                 continue
             log.info("cluster: the link to node %s went before it answered for %s's session; asking again",
                      owner, cid)
+
+    async def _registered_elsewhere(self, cid):
+        """The node asked holds no session for `cid` and knows of no node it went to: the
+        node etcd names for the client now (None if none, this one, or etcd cannot tell).
+
+        A partition's broker remembers where it handed a session only in memory: one
+        hosted after a failover that hands the partition back to its node takes that
+        memory along, and the node, back on a log from which the session was removed, has
+        none of it. The node that took the session registered the client once it had it
+        (its client may have left meanwhile: Router.park_adopted), after this node read
+        etcd: reading it again finds it, where starting anew here would end it."""
+        cluster = self.cluster
+        try:
+            node = await cluster.membership.client_node(cid)
+        except (asyncio.TimeoutError, Exception) as e:
+            log.warning("cluster: cannot ask etcd again where %s's session is (%s)", cid, e)
+            return None
+        return None if node == cluster.node else node
 
     async def _linked(self, node, timeout):
         """`node`'s peer once its link is up (None after `timeout` seconds)."""

@@ -491,19 +491,12 @@ def test_replication_runs_over_the_links_mutual_tls(cluster, tmp_path):
     assert wait_for(lambda: "CERTIFICATE_VERIFY_FAILED" in cl["d"].log, 30, 0.5), cl["d"].log[-3000:]
 
 
-def test_a_session_claimed_for_a_client_that_left_is_found_after_the_hand_back(cluster, raw_client):
-    """A client of a killed node a connects (clean start 0) to node B, which claims its session
-    from a's hosted broker; the client gives up before the session comes and connects to node Z,
-    which reads etcd (a still holds the client) and asks partition a. B gets the session after
-    the client left: it keeps it and registers the client. a comes back and takes its partition
-    back before Z's ask is answered: the restarted a holds none of the session (B took it) and
-    knows nothing of where it went (the hosted broker that handed it over is gone). Z asks the
-    node etcd names now (B) instead of starting a new session: session present 1, and the
-    message queued for it."""
-    cl = cluster(nodes="abcd", extra_toml="[limits]\nconnect_timeout = 60\n")
+def owed_session_of_killed_a(cl, cid):
+    """Client `cid`'s persistent session on node a, with a message queued for it; a then
+    killed and its partition taken over. (host: the node hosting a's broker, b: a's other
+    replica, z: the node that is no replica of a)."""
     cl.start()
     wait_whole(cl)
-    cid = uid("claimleft")
     s = paho_client(cl["a"].port, client_id=cid, version=4, clean=False)
     assert sub(s, "owed/#", 1) == [1]
     s.disconnect()
@@ -519,26 +512,102 @@ def test_a_session_claimed_for_a_client_that_left_is_found_after_the_hand_back(c
     host = wait_for(lambda: taken_over(cl, "a"), 40, 0.1)
     assert host, f"nobody took a over: {records(cl)} {status(cl)}"
     (b,) = set(replicas) - {"a", host}
-    # What a's hosted broker sends b and z waits (the harness's relays carry what a node,
-    # hosted or not, sends on its links under its name): its answers to their asks.
+    return host, b, z
+
+
+def a_back(cl):
+    """Restart the killed a; wait until it has taken its partition back."""
+    cl["a"].start(wait=False)
+    assert wait_for(lambda: records(cl)["a"]["leader"] == "a" and status(cl)["a"]["state"] == "serving", 60, 0.1), \
+        f"a did not take its partition back: {records(cl)} {status(cl)}"
+
+
+def assert_session_back(second):
+    """`second` (a RawClient that sent CONNECT with clean start 0) got the session of
+    `owed_session_of_killed_a`."""
+    ack = raw_next(second, C.CONNACK, 60)
+    assert ack is not None and ack.reason_code == 0, ack
+    assert ack.session_present, "the session was lost: a new one was made"
+    msg = raw_next(second, C.PUBLISH, 20)
+    assert msg is not None and msg.payload == b"kept for it", msg
+
+
+def claim_given_up(cl, raw_client, cid, b):
+    """The client connects to `b`, which claims its session from a's hosted broker; the
+    client gives up (closes) before the session comes (the hosted broker's answer to b
+    waits, held by the harness's relay, until `cl.net.heal("a", b)`)."""
     cl.net.cut("a", b)
-    cl.net.cut("a", z)
     first = raw_client(cl[b].port, C.MQTT311)
     first.send(Connect(cid, version=C.MQTT311, clean_start=False))
     time.sleep(2.0)  # (b's ask is at the hosted broker, which hands the session over)
-    first.sock.close()  # (the client gives up)
+    first.sock.close()
+
+
+def test_a_session_claimed_for_a_client_that_left_is_found_after_the_hand_back(cluster, raw_client):
+    """A client of a killed node a connects (clean start 0) to node B, which claims its session
+    from a's hosted broker; the client gives up before the session comes and connects to node Z,
+    which reads etcd (a still holds the client) and asks partition a. B gets the session after
+    the client left: it keeps it and registers the client. a comes back and takes its partition
+    back before Z's ask is answered: the restarted a holds none of the session (B took it) and
+    knows nothing of where it went (the hosted broker that handed it over is gone). Z asks the
+    node etcd names now (B) instead of starting a new session: session present 1, and the
+    message queued for it."""
+    cl = cluster(nodes="abcd", extra_toml="[limits]\nconnect_timeout = 60\n")
+    cid = uid("claimleft")
+    host, b, z = owed_session_of_killed_a(cl, cid)
+    # (the harness's relays carry what a node, hosted or not, sends on its links under its
+    # name: the hosted broker's answer to z waits too)
+    cl.net.cut("a", z)
+    claim_given_up(cl, raw_client, cid, b)
     second = raw_client(cl[z].port, C.MQTT311)
     second.send(Connect(cid, version=C.MQTT311, clean_start=False))
     time.sleep(1.0)  # (z has read etcd, which names a, and asked a's hosted broker)
     cl.net.heal("a", b)
     assert wait_for(lambda: cl.client_owners().get(cid) == b, 10, 0.1), \
         f"node {b} did not register the session it took: {cl.client_owners().get(cid)}"
-    cl["a"].start(wait=False)
-    assert wait_for(lambda: records(cl)["a"]["leader"] == "a" and status(cl)["a"]["state"] == "serving", 60, 0.1), \
-        f"a did not take its partition back: {records(cl)} {status(cl)}"
+    a_back(cl)
     cl.net.heal("a", z)  # (z's ask goes to a now: its link to the hosted broker went with it)
-    ack = raw_next(second, C.CONNACK, 60)
-    assert ack is not None and ack.reason_code == 0, ack
-    assert ack.session_present, "the session was lost: a new one was made"
-    msg = raw_next(second, C.PUBLISH, 20)
-    assert msg is not None and msg.payload == b"kept for it", msg
+    assert_session_back(second)
+
+
+def test_a_session_claimed_for_a_connection_closed_meanwhile_is_registered(cluster, raw_client):
+    """A claim that outlasts the connect timeout: node B closes the client's CONNECT (the client
+    has not closed its end), then gets the session from a's hosted broker. B keeps it, and
+    registers the client in etcd, so that the client's next CONNECT, on node Z after a took its
+    partition back (the restarted a holds none of the session), finds it on B: session present
+    1, and the message queued for it."""
+    cl = cluster(nodes="abcd", extra_toml="[limits]\nconnect_timeout = 3\n")
+    cid = uid("claimclosed")
+    host, b, z = owed_session_of_killed_a(cl, cid)
+    cl.net.cut("a", b)  # (the hosted broker's answer to b waits)
+    first = raw_client(cl[b].port, C.MQTT311)
+    first.send(Connect(cid, version=C.MQTT311, clean_start=False))
+    assert first.recv(20) is not None, "b did not close the CONNECT at its connect timeout"
+    cl.net.heal("a", b)  # (the session comes while b still lingers on the connection it closed)
+    assert wait_for(lambda: cl.client_owners().get(cid) == b, 10, 0.1), \
+        f"node {b} did not register the session it took: {cl.client_owners().get(cid)}"
+    first.sock.close()
+    a_back(cl)
+    cl.wait_stable()
+    second = raw_client(cl[z].port, C.MQTT311)
+    second.send(Connect(cid, version=C.MQTT311, clean_start=False))
+    assert_session_back(second)
+
+
+def test_a_session_claimed_for_a_client_that_left_survives_its_new_node(cluster, raw_client):
+    """A session node B took for a client that had left is stored and replicated as any of B's
+    sessions: B killed, the client's CONNECT on node Z gets it from B's hosted broker."""
+    cl = cluster(nodes="abcd")
+    cid = uid("claimkept")
+    host, b, z = owed_session_of_killed_a(cl, cid)
+    claim_given_up(cl, raw_client, cid, b)
+    cl.net.heal("a", b)
+    assert wait_for(lambda: cl.client_owners().get(cid) == b, 10, 0.1), \
+        f"node {b} did not register the session it took: {cl.client_owners().get(cid)}"
+    a_back(cl)
+    wait_whole(cl)  # (b's partition in sync on its replicas: one node lost at a time)
+    cl[b].kill()
+    assert wait_for(lambda: taken_over(cl, b), 40, 0.1), f"nobody took {b} over: {records(cl)} {status(cl)}"
+    second = raw_client(cl[z].port, C.MQTT311)
+    second.send(Connect(cid, version=C.MQTT311, clean_start=False))
+    assert_session_back(second)

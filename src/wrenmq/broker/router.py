@@ -707,14 +707,29 @@ class Router:
 
     def park_adopted(self, cid):
         """An adopted session whose CONNECT went away before it resumed: offline here,
-        expiring as any session does once its client disconnects."""
+        stored, expiring as any session does once its client disconnects, and in a
+        cluster registered as this node's client, as its CONNECT would have."""
         session = self.sessions.get(cid)
         if session is None or session.conn is not None or cid not in self._adopted:
             return
         self._adopted.discard(cid)
         if session.expiry_interval == 0:
             self.end_session(session, publish_will=False)
-        elif session.expiry_interval != NEVER:
+            return
+        if self.cluster is not None:
+            # Held here now, and by no other node (the one that handed it over ended it):
+            # the client's next CONNECT, wherever it goes, must be told to ask this node.
+            self.cluster.client_connected(cid)
+        persist = self.persist
+        if persist is not None:
+            # And stored, as a CONNECT that resumed it and went would have: a restart here
+            # (or, replicated, the node that takes this one's log over) keeps it.
+            persist.session_started(session, False)
+            if session.stored:
+                self._store_adopted(session)
+                self.queues.trim_offline(session)
+                persist.session_offline(session)
+        if session.expiry_interval != NEVER:
             session.generation += 1
             session.expires_at = self.clock() + session.expiry_interval
             self.timers.schedule(session.expires_at, TimerKind.EXPIRE_SESSION, session)

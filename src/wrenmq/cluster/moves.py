@@ -138,11 +138,10 @@ class Moves:
             self._claim_from.pop(cid, None)
         if not taken:  # (False: no answer in time; None: no session there)
             return False
-        if gone is not None and gone():
-            # Its client went (to another node, likely) while the session came: it stays
-            # here offline, registered here, so that the client's CONNECT there takes it
-            # from here (an ask this node got for it meanwhile waited: session_asked).
-            cluster.membership.client_connected(cid)
+        # (A client that went meanwhile, to another node likely, leaves the session here
+        # offline, registered here in this same loop turn (Router.park_adopted), so that its
+        # CONNECT there takes it from here; an ask this node got for it meanwhile waited:
+        # session_asked.)
         session, moved, dropped = taken
         self.taken_over += 1
         log.info("cluster: took %s's session over from node %s (%d subscription(s), %d message(s)%s)",

@@ -177,6 +177,16 @@ def test_fewer_than_min_insync_in_sync_refuses_qos1_and_qos2(ha, raw_client):
     assert b"q0" in payloads and not payloads & {b"x", b"y", b"z"}, "a refused PUBLISH was logged"
 
 
+def state_record_run(clients, node, count):
+    """`count` state records in a row in `node`'s log: a persistent session's subscription
+    changes, one per loop turn (each waits for its acknowledgement), no message between."""
+    churn = clients(node.port, client_id=uid("churn"), clean=False, properties={"SessionExpiryInterval": 600},
+                    version=5)
+    for _ in range(count // 2):
+        sub(churn, "churn/x", 1)
+        unsub(churn, "churn/x")
+
+
 def test_a_restarted_cluster_catches_sessions_up_past_a_long_run_of_state_records(ha, clients):
     """A replicated log holds one state record per loop turn that changed session state:
     600 subscription changes in a row, with no message between, are 600 records no read
@@ -193,11 +203,7 @@ def test_a_restarted_cluster_catches_sessions_up_past_a_long_run_of_state_record
     s.loop_stop()
     pub = clients(a.port)
     publish(pub, "after/0", b"owed 0", qos=1)  # (the session's place in the log: the catch-up starts here)
-    churn = clients(a.port, client_id=uid("churn"), clean=False, properties={"SessionExpiryInterval": 600},
-                    version=5)
-    for _ in range(300):
-        sub(churn, "churn/x", 1)
-        unsub(churn, "churn/x")
+    state_record_run(clients, a, 600)
     publish(pub, "after/1", b"owed 1", qos=1)
     assert wait_for(lambda: caught_up(cl), 30, 0.25), cl.status()
     for node in cl.nodes.values():
@@ -232,11 +238,7 @@ def test_a_bridge_on_a_replicated_log_passes_over_runs_of_state_records(ha, clie
     publish(pub, "up/0", b"first", qos=1)
     got = []
     assert wait_for(lambda: got.extend(m.payload for m in drain(app)) or b"first" in got, 20, 0.2), got
-    churn = clients(a.port, client_id=uid("churn"), clean=False, properties={"SessionExpiryInterval": 600},
-                    version=5)
-    for _ in range(100):
-        sub(churn, "churn/x", 1)
-        unsub(churn, "churn/x")
+    state_record_run(clients, a, 200)
     publish(pub, "up/1", b"second", qos=1)
     assert wait_for(lambda: got.extend(m.payload for m in drain(app)) or b"second" in got, 20, 0.2), got
     assert got == [b"first", b"second"], got

@@ -362,28 +362,16 @@ def test_status_shows_the_partitions_and_reassign_moves_a_lost_nodes_replicas(cl
 
 def test_a_session_handed_over_uncommitted_keeps_its_messages_coming(cluster):
     """With replicas > 1 the node that hands a session over sends it once committed, which
-    can take seconds (here: the hosted broker of a killed node b cannot commit while its
+    can take seconds (here: the hosted broker of a killed node a cannot commit while its
     two in-sync replicas are cut from each other). Until the session is at its new node,
     what the other nodes publish for it goes on reaching it: its filters stay where the
     others send their messages, and what comes there is passed on (RELAY) once the session
-    has gone. Four nodes, so that the node the client reconnects to, Z, is none of b's
+    has gone. Four nodes, so that the node the client reconnects to, Z, is none of a's
     replicas and takes QoS 1 PUBLISHes throughout."""
     cl = cluster(nodes="abcd")
-    cl.start()
-    wait_whole(cl)
     cid = uid("moved")
-    s = paho_client(cl["b"].port, client_id=cid, version=4, clean=False)
-    assert sub(s, "gap/#", 1) == [1]
-    s.disconnect()
-    s.loop_stop()
-    time.sleep(1.0)  # (the session committed on b's replicas)
-    replicas = records(cl)["b"]["replicas"]
-    (z,) = set("acd") - set(replicas)
-    cl["b"].kill()
-    host = wait_for(lambda: taken_over(cl, "b"), 40, 0.1)
-    assert host, f"nobody took b over: {records(cl)} {status(cl)}"
-    (other,) = set(replicas) - {"b", host}
-    cl.partition(host, [other])  # (partition b's high watermark stops: its in-sync set is {host, other})
+    host, other, z = owed_session_of_killed_a(cl, cid, "gap/#", None)
+    cl.partition(host, [other])  # (partition a's high watermark stops: its in-sync set is {host, other})
     s = paho_client(cl[z].port, client_id=cid, version=4, clean=False, connect=False)
     s.connect("127.0.0.1", cl[z].port, keepalive=60)
     s.loop_start()
@@ -411,32 +399,16 @@ def test_a_session_handed_over_uncommitted_keeps_its_messages_coming(cluster):
 
 def test_a_client_that_gives_up_a_claiming_connect_finds_its_session_elsewhere(cluster, raw_client):
     """A client's CONNECT (clean start 0) on node Z waits while its session is handed over
-    from the hosted broker of a killed node b, which cannot commit (its two in-sync
+    from the hosted broker of a killed node a, which cannot commit (its two in-sync
     replicas are cut from each other); the client gives up and connects to another node W.
-    W's ask reaches b after b handed the session to Z: b says so, W asks Z, which answers
-    once its own claim is over (the session it took for a client that left). The client
-    gets its session on W (session present 1, with the message queued for it), not a new
-    one."""
+    W's ask reaches a's broker after it handed the session to Z: it says so, W asks Z,
+    which answers once its own claim is over (the session it took for a client that
+    left). The client gets its session on W (session present 1, with the message queued
+    for it), not a new one."""
     cl = cluster(nodes="abcd")
-    cl.start()
-    wait_whole(cl)
     cid = uid("gaveup")
-    s = paho_client(cl["b"].port, client_id=cid, version=4, clean=False)
-    assert sub(s, "owed/#", 1) == [1]
-    s.disconnect()
-    s.loop_stop()
-    pub = paho_client(cl["a"].port)
-    pub.publish("owed/1", b"kept for it", 1).wait_for_publish(10)
-    pub.disconnect()
-    pub.loop_stop()
-    time.sleep(1.0)  # (the session and its message committed on b's replicas)
-    replicas = records(cl)["b"]["replicas"]
-    (z,) = set("acd") - set(replicas)
-    cl["b"].kill()
-    host = wait_for(lambda: taken_over(cl, "b"), 40, 0.1)
-    assert host, f"nobody took b over: {records(cl)} {status(cl)}"
-    (other,) = set(replicas) - {"b", host}
-    cl.partition(host, [other])  # (partition b's high watermark stops: its in-sync set is {host, other})
+    host, other, z = owed_session_of_killed_a(cl, cid)
+    cl.partition(host, [other])  # (partition a's high watermark stops: its in-sync set is {host, other})
     first = raw_client(cl[z].port, C.MQTT311)
     first.send(Connect(cid, version=C.MQTT311, clean_start=False))
     time.sleep(2.0)  # (b has handed the session to z, held until committed)
@@ -491,20 +463,22 @@ def test_replication_runs_over_the_links_mutual_tls(cluster, tmp_path):
     assert wait_for(lambda: "CERTIFICATE_VERIFY_FAILED" in cl["d"].log, 30, 0.5), cl["d"].log[-3000:]
 
 
-def owed_session_of_killed_a(cl, cid):
-    """Client `cid`'s persistent session on node a, with a message queued for it; a then
-    killed and its partition taken over. (host: the node hosting a's broker, b: a's other
-    replica, z: the node that is no replica of a)."""
+def owed_session_of_killed_a(cl, cid, flt="owed/#", owed=b"kept for it"):
+    """Client `cid`'s persistent session on node a, subscribed to `flt`, with message
+    `owed` (on owed/1, unless None) queued for it; a then killed and its partition taken
+    over. (host: the node hosting a's broker, b: a's other replica, z: the node that is no
+    replica of a)."""
     cl.start()
     wait_whole(cl)
     s = paho_client(cl["a"].port, client_id=cid, version=4, clean=False)
-    assert sub(s, "owed/#", 1) == [1]
+    assert sub(s, flt, 1) == [1]
     s.disconnect()
     s.loop_stop()
-    pub = paho_client(cl["a"].port)
-    pub.publish("owed/1", b"kept for it", 1).wait_for_publish(10)
-    pub.disconnect()
-    pub.loop_stop()
+    if owed is not None:
+        pub = paho_client(cl["a"].port)
+        pub.publish("owed/1", owed, 1).wait_for_publish(10)
+        pub.disconnect()
+        pub.loop_stop()
     time.sleep(1.0)  # (the session and its message committed on a's replicas)
     replicas = records(cl)["a"]["replicas"]
     (z,) = set("bcd") - set(replicas)

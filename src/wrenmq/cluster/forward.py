@@ -150,7 +150,10 @@ class Forwarding:
         moves = self.moves
         if off >= 0 and flags & F.TO_SUBSCRIBERS:
             if moves.moved_in:
-                skip = moves.got(mark[0], off, router.matching(pkt.topic))
+                if flags & F.REPLAYED:  # (sent again from its log, for the subscriptions older than it: not held)
+                    skip = moves.got(mark[0], off, router.matching(pkt.topic))
+                else:
+                    skip = moves.got(mark[0], off, router.matching(pkt.topic), pkt, cid, ts)
             if moves.relays_due:
                 moves.relay(body, mark[0], pkt.topic)
         if groups and off >= 0 and moves.group_relays:

@@ -143,7 +143,7 @@ class InLink(asyncio.Protocol):
                 elif kind == F.LIVE and self.peer is not None:
                     self.live = True
                 elif kind == F.SESSION and self.peer is not None:
-                    cluster.moves.session_answered(body)
+                    cluster.moves.session_answered(body, self.mark[0] if self.mark else None)
                 elif kind == F.RELAY and self.peer is not None:
                     cluster.moves.relay_arrived(body, self.decoder)
                 elif kind == F.ROUTE and self.peer is not None:

@@ -10,7 +10,11 @@ node's ROUTEs. Meanwhile the old node passes on what they still send it for the
 session, or for the shared groups it was the last member of there, to the new node
 (RELAY, `relay`, `relay_groups`) for _RELAY_FOR seconds; the new node remembers, for
 twice as long, which messages (sending log, offset) the session got (`got`), so one
-that arrives both ways is delivered once (`relay_arrived`).
+that arrives both ways is delivered once (`relay_arrived`). What a third node sent the old
+node for the session reaches the new node a hop later than what it sends the new node
+directly once it has learned where the session went: the new node holds the direct ones
+back until the old node's passing on has caught up with them (`_MovedIn`), so the session
+gets each node's messages in that node's order.
 """
 
 import asyncio
@@ -32,6 +36,10 @@ _HANDOVER_TIMEOUT = 2.0  # seconds a CONNECT waits for another node to hand its 
 # sessions together, past which the oldest session's memory goes first (later RELAYs
 # for it are dropped).
 _RELAY_FOR = 5.0
+# A session just taken in: for this long, a third node's messages that come here directly
+# may wait for the old node to pass on (RELAY) that node's earlier ones (`_MovedIn`). Past
+# it (the old node dead, stopped, or long done passing on) they are delivered as they come.
+_HOLD_FOR = 2.0
 # With replicas > 1, seconds a SESSION_ASK may wait for this node to have every other
 # node's replay of its log (Moves.session_asked).
 _ASK_WAITS = 5.0
@@ -55,6 +63,31 @@ class _Moved:
     def __init__(self, node):
         self.node = node
 _SEEN_MAX = 1_000_000
+
+
+class _MovedIn:
+    """A session just taken in from another node (`Moves.moved_in`), while messages may
+    still come for it both directly and passed on by its old node (RELAY).
+
+    A third node sends the old node the session's messages until it learns (ROUTE) where
+    the session went, then this node directly: the last ones it sent the old node come
+    passed on, a hop and (with replicas > 1) a commit later, behind the first ones it sent
+    here. So, until `hold_until`, a third node's direct messages for the session wait in
+    `held` (per sending log, in its order) until the old node's passing on of that log has
+    caught up with them: a RELAY of one of them, or of a later one, or a direct message
+    the RELAY brought first. That log is then in `caught_up`, and its messages go through
+    as they come."""
+
+    __slots__ = ("session", "seen", "until", "hold_until", "held", "caught_up", "timer")
+
+    def __init__(self, session, until, hold_until):
+        self.session = session
+        self.seen = set()  # (log id, offset) of the messages the session got here
+        self.until = until  # when this is forgotten
+        self.hold_until = hold_until  # 0: nothing is held (no filters of its own to pass on)
+        self.held = {}  # sending log id -> [(offset, Message)] waiting for the old node's RELAYs
+        self.caught_up = set()  # sending log ids whose passing on has caught up
+        self.timer = None  # the call that delivers what is still held at `hold_until`
 
 
 def _own_filters(session):
@@ -305,6 +338,8 @@ class Moves:
             log.warning("cluster: node %s asked for %s's session; answering without every other node's replay "
                         "after %.0f s", requester, cid, waited)
         router = self.router
+        if self.moved_in:
+            self.release_held(cid)  # (what waits here for it goes along)
         session = router.release_session(cid)
         if session is None:
             answer = {"id": rid, "cid": cid, "found": False, "msgs": []}
@@ -378,8 +413,9 @@ class Moves:
         self._expire()
         self._relay_for(cid, requester, filters, groups)
 
-    def session_answered(self, body):
-        """SESSION: the session `claim` asked for (or word that there is none)."""
+    def session_answered(self, body, sender_log=None):
+        """SESSION: the session `claim` asked for (or word that there is none), from the
+        node whose log is `sender_log`."""
         state, pkts = F.decode_session(body)
         ask = self._asks.get(state.get("id"))
         if ask is None or ask[0].done():
@@ -400,11 +436,15 @@ class Moves:
         held = router.sessions.get(cid)
         self._forget_moved(cid)  # (moved here before: that memory is for a session gone since)
         if held is not None and (_own_filters(held) or _shared_filters(held)):
-            until = self.cluster.loop.time() + 2 * _RELAY_FOR
-            self.moved_in[cid] = (held, set(), until)
+            now = self.cluster.loop.time()
+            until = now + 2 * _RELAY_FOR
+            own = bool(_own_filters(held))
+            entry = self.moved_in[cid] = _MovedIn(held, until, now + _HOLD_FOR if own else 0)
+            if sender_log:  # (the old node's own messages come on the link the RELAYs come on)
+                entry.caught_up.add(sender_log)
             self._moved_due.append((until, cid))
-            if held is session and _own_filters(held):
-                self._deliver_own(session, self.moved_in[cid][1], state.get("taken"))
+            if held is session and own:
+                self._deliver_own(session, entry.seen, state.get("taken"))
         self._expire()
         fut.set_result((session, len(pkts), state.get("dropped")))
 
@@ -486,13 +526,44 @@ class Moves:
         while due and (due[0][0] < now or self._seen_total >= _SEEN_MAX):
             until, cid = due.popleft()
             entry = self.moved_in.get(cid)
-            if entry is not None and entry[2] == until:
+            if entry is not None and entry.until == until:
                 self._forget_moved(cid)
 
     def _forget_moved(self, cid):
         entry = self.moved_in.pop(cid, None)
         if entry is not None:
-            self._seen_total -= len(entry[1])
+            self._seen_total -= len(entry.seen)
+            self._release(entry)
+
+    def _release(self, entry):
+        """Deliver what `entry` still holds (`_MovedIn`), in each sending log's order: its
+        time to wait is over, it is forgotten, or its session moves on."""
+        if entry.timer is not None:
+            entry.timer.cancel()
+            entry.timer = None
+        held = entry.held
+        if not held:
+            return
+        entry.held = {}
+        session = entry.session
+        if self.router.sessions.get(session.client_id) is not session:
+            return  # (ended here meanwhile)
+        deliver_to = self.router.deliver_to
+        for waiting in held.values():
+            for _, msg in waiting:
+                deliver_to(session, msg)
+
+    def _hold_over(self, cid, entry):
+        entry.timer = None
+        if self.moved_in.get(cid) is entry:
+            self._release(entry)
+
+    def release_held(self, cid):
+        """Deliver at once what waits for `cid`'s session (`_MovedIn`): it is being handed
+        on to another node, with what it holds."""
+        entry = self.moved_in.get(cid)
+        if entry is not None:
+            self._release(entry)
 
     # --- on the old node: passing messages on -------------------------------------------
 
@@ -533,10 +604,12 @@ class Moves:
 
     # --- on the new node: each message once ---------------------------------------------
 
-    def got(self, origin, off, hit):
+    def got(self, origin, off, hit, pkt=None, pcid=None, ts=0.0):
         """Offset `off` of the log `origin` is being delivered here to the sessions of
         `hit` (the router's match): note it for each that just came here; return those
-        that had it already (by RELAY), to be skipped, or None."""
+        that had it already (by RELAY), or that wait for it (a FORWARD, as `pkt`, `pcid`,
+        `ts`, from a node whose earlier messages the old node may still pass on:
+        `_MovedIn`), to be skipped, or None."""
         self._expire()
         moved = self.moved_in
         skip = None
@@ -544,14 +617,30 @@ class Moves:
         for e in hit[0]:
             session = e[0]
             entry = moved.get(session.client_id)
-            if entry is None or entry[0] is not session:
+            if entry is None or entry.session is not session:
                 continue
-            seen = entry[1]
+            seen = entry.seen
             if key in seen:
                 skip = {session} if skip is None else skip | {session}
-            else:
-                seen.add(key)
-                self._seen_total += 1
+                if pkt is not None:  # (passed on before it came directly: the passing on has caught up)
+                    entry.caught_up.add(origin)
+                continue
+            seen.add(key)
+            self._seen_total += 1
+            if pkt is None or not entry.hold_until or origin in entry.caught_up:
+                continue
+            if self.cluster.loop.time() >= entry.hold_until:
+                self._release(entry)  # (ahead of this one, whatever still waits)
+                entry.hold_until = 0
+                continue
+            waiting = entry.held.get(origin)
+            if waiting is None:
+                waiting = entry.held[origin] = []
+                if entry.timer is None:
+                    entry.timer = self.cluster.loop.call_at(entry.hold_until, self._hold_over,
+                                                            session.client_id, entry)
+            waiting.append((off, F.message_from(pkt, pcid, ts, self.router.clock())))
+            skip = {session} if skip is None else skip | {session}
         return skip
 
     def relay_arrived(self, body, decoder):
@@ -564,13 +653,36 @@ class Moves:
         entry = self.moved_in.get(cid)
         if entry is None or off < 0:
             return
-        session, seen, until = entry
+        session, seen = entry.session, entry.seen
         router = self.router
         if router.sessions.get(cid) is not session:
             self._forget_moved(cid)
             return
         shared = not flags & F.TO_SUBSCRIBERS  # (relay_groups: for the groups it names)
         key = (origin, off, "shared") if shared else (origin, off)
+        waiting = None if shared else entry.held.get(origin)
+        if waiting and off >= waiting[0][0]:
+            # The passing on of `origin`'s log has caught up with what came from it
+            # directly: the held messages before this one, this one (unless held too), then
+            # the rest, in that log's order; from now on that log's messages go through.
+            del entry.held[origin]
+            entry.caught_up.add(origin)
+            if not entry.held and entry.timer is not None:
+                entry.timer.cancel()
+                entry.timer = None
+            n = 0
+            while n < len(waiting) and waiting[n][0] < off:
+                router.deliver_to(session, waiting[n][1])
+                n += 1
+            if key in seen:
+                self.duplicates += 1
+            else:
+                seen.add(key)
+                self._seen_total += 1
+                router.deliver_to(session, F.message_from(pkt, pcid, ts, router.clock()))
+            for _, msg in waiting[n:]:
+                router.deliver_to(session, msg)
+            return
         if key in seen:
             self.duplicates += 1
             return

@@ -173,7 +173,7 @@ sim: $(VENV)/.stamp-install
 # (adds the loss of a node for good), ARGS="--faults kill9,pause" for a subset.
 chaos: test-deps
 	$(PY) tests/chaos.py --rounds $${ROUNDS:-3} $(if $(SEED),--seed $(SEED)) $(ARGS)
-	$(PY) -m pytest -m chaos tests/
+	$(PY) -m pytest -m chaos tests/ || [ $$? -eq 5 ]  # (5: no test is marked chaos)
 
 # --- demo --------------------------------------------------------------------
 

@@ -124,7 +124,6 @@ def test_kill_9_of_a_leader_under_qos1_and_qos2_load(cluster):
     assert measured["failover"] < cl.lease_ttl + 8, measured
 
 
-@pytest.mark.chaos  # fails about one run in fifty: docs/CLUSTER.md, "Not holding yet"
 def test_with_replication_a_node_lost_for_good_loses_nothing_acknowledged(cluster):
     """The scenario of test_cluster_harness.py's
     test_without_replication_a_node_lost_for_good_loses_acknowledged_messages, with
@@ -218,7 +217,6 @@ def test_a_node_lost_for_good_is_replaced_by_an_empty_one_that_catches_up(cluste
     assert "receiving a state snapshot" in cl["a"].log, "the empty node did not catch up by snapshot"
 
 
-@pytest.mark.chaos  # fails about one run in seventy: docs/CLUSTER.md, "Not holding yet"
 def test_a_zombie_leader_acknowledges_nothing_after_waking(cluster, raw_client):
     """Node a is stopped (SIGSTOP) past its lease under load: the others take its partition
     over. A QoS 1 PUBLISH sent to a meanwhile is not acknowledged when a wakes (its lease ran

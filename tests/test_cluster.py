@@ -766,6 +766,97 @@ def test_a_session_moving_away_takes_what_its_old_node_kept_for_it_in_the_log(cl
     assert [m.payload for m in drain(again, 2.0)] == [b"%d" % i for i in range(40)]
 
 
+class SlowLinkFrom(SlowLink):
+    """A SlowLink that hands on late only what node `slow_from` sends (the node its link's
+    HELLO names): the node behind it hears that node late, and the others at once."""
+
+    def __init__(self, target_port, delay, slow_from):
+        self.slow_from = slow_from
+        super().__init__(target_port, delay)
+
+    def _accept(self):
+        import socket
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                out = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                conn.close()
+                continue
+            self.socks += [conn, out]
+            threading.Thread(target=self._start, args=(conn, out), daemon=True).start()
+
+    def _start(self, conn, out):
+        import threading
+
+        reader, frames, head = F.FrameReader(1 << 20), [], b""
+        try:
+            while not frames:
+                data = conn.recv(65536)
+                if not data:
+                    raise OSError("closed before its HELLO")
+                head += data
+                frames = reader.feed(data)
+            out.sendall(head)
+        except (OSError, F.FrameError):
+            for s in (conn, out):
+                s.close()
+            return
+        kind, body = frames[0]
+        node = F.decode_hello(body)[1] if kind == F.HELLO else None
+        threading.Thread(target=self._pump, args=(out, conn, 0), daemon=True).start()
+        self._pump(conn, out, self.delay if node == self.slow_from else 0)
+
+
+def test_a_session_moving_gets_once_what_its_old_node_took_before_the_new_node_did(cluster):
+    # The publisher is on node b; the session, its client gone, is on node a; node c, where
+    # the client comes back, hears b 1.5 s late (and a at once), and has a subscriber of
+    # its own, so b sends it the messages too. a takes them at once and queues them for
+    # the session, which brings them along to c; b's copies reach c after that. They are
+    # the same messages: the session must get each once (QoS 2: a second copy would come
+    # as a new message).
+    cl = cluster()
+    for name in ("a", "b"):
+        cl.start(name, storage=disk(cl, name))
+    host = cl.etcd.endpoint.rsplit(":", 1)[0]
+    link = free_port()
+    slow = SlowLinkFrom(link, 1.5, "b")
+    try:
+        c = ServedBroker(cl.tmp, cl.config("c", link, storage=disk(cl, "c"), advertise=f"{host}:{slow.port}"))
+        c.link_port = link
+        cl.nodes["c"] = c
+        links_up(cl, "a", "b", "c")
+        cid, props = uid("dq"), {"SessionExpiryInterval": 300}
+        first = cl.client("a", client_id=cid, clean=False, properties=props)
+        first._reconnect_on_failure = False
+        sub(first, "dq/#", 2)
+        watcher = cl.client("c")
+        sub(watcher, "dq/#", 2)
+        pub = cl.client("b")
+        await_route(pub, watcher, "dq/probe")
+        await_route(pub, first, "dq/probe")
+        first.disconnect()
+        first.loop_stop()
+        time.sleep(0.2)
+        for i in range(10):
+            publish(pub, "dq/x", b"%d" % i, 2)
+        time.sleep(0.2)  # (on a now, queued for the session; on their way to c)
+        again = cl.client("c", client_id=cid, clean=False, properties=props)
+        assert again.connack[1].session_present is True
+        got = [int(m.payload) for m in drain(again, 4.0) if m.payload != b"probe"]
+        assert [m.payload for m in drain(watcher) if m.payload != b"probe"] == [b"%d" % i for i in range(10)]
+        twice = sorted(i for i, n in collections.Counter(got).items() if n > 1)
+        assert not twice, f"given twice: {twice} (all it got: {got})"
+        assert got == list(range(10)), got
+    finally:
+        slow.close()
+
+
 def test_session_taken_over_is_stored_on_its_new_node(cluster):
     cl = cluster()
     cl.start("a")

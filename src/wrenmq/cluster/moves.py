@@ -78,7 +78,7 @@ class _MovedIn:
     the RELAY brought first. That log is then in `caught_up`, and its messages go through
     as they come."""
 
-    __slots__ = ("session", "seen", "until", "hold_until", "held", "caught_up", "timer")
+    __slots__ = ("session", "seen", "until", "hold_until", "held", "caught_up", "timer", "behind")
 
     def __init__(self, session, until, hold_until):
         self.session = session
@@ -88,6 +88,10 @@ class _MovedIn:
         self.held = {}  # sending log id -> [(offset, Message)] waiting for the old node's RELAYs
         self.caught_up = set()  # sending log ids whose passing on has caught up
         self.timer = None  # the call that delivers what is still held at `hold_until`
+        # {log id: the last offset of it the old node had taken when it handed the session
+        # over, past this node's mark then}: a FORWARD of one of those that comes here
+        # afterwards is not for the session (`Moves.got`, `Moves._behind_old_node`).
+        self.behind = None
 
 
 def _own_filters(session):
@@ -354,6 +358,7 @@ class Moves:
         mark = cluster.replay.applied.get(requester)
         if mark is not None:
             state["taken"] = [mark[0], mark[1]]
+        state["marks"] = self._log_marks()
         cluster.membership.disown(cid)  # the asking node registers the client next
         # From now on the session's filters are the asking node's: what this node takes
         # for them goes there (on the link, after the session), not nowhere until that
@@ -442,6 +447,7 @@ class Moves:
             entry = self.moved_in[cid] = _MovedIn(held, until, now + _HOLD_FOR if own else 0)
             if sender_log:  # (the old node's own messages come on the link the RELAYs come on)
                 entry.caught_up.add(sender_log)
+            entry.behind = self._behind_old_node(state.get("marks"))
             self._moved_due.append((until, cid))
             if held is session and own:
                 self._deliver_own(session, entry.seen, state.get("taken"))
@@ -501,6 +507,43 @@ class Moves:
             # Past the state records after the last one too; a read past `end` (a limit
             # counts records, and state records are left out) ends it.
             start = min(after, end)
+
+    def _log_marks(self):
+        """[log id, last offset taken, run] of each log this node has taken messages from
+        (`Replay.applied`), and of its own log: what a session it hands over has had of
+        them is settled (delivered, or among the messages it takes along)."""
+        replay = self.cluster.replay
+        marks = [[m[0], m[1], m[2]] for m in replay.applied.values() if m[0] and m[1] >= 0]
+        persist = self.router.persist
+        if persist is not None and replay.log_id:
+            marks.append([replay.log_id, persist.next_offset - 1, replay.run_id])
+        return marks
+
+    def _behind_old_node(self, marks):
+        """{log id: offset} of the logs a session's old node had taken further than this
+        node has (`marks`: its `_log_marks` when it handed the session over).
+
+        Those records reach this node after it took the session in (a link behind, or
+        replaying), each a message the session had at its old node already: delivered
+        there, or queued or in flight among those it brought along (a QoS 2 one given again
+        would come as a new message). Only for a log this node takes from the same run of
+        its sender (a sender that restarted may have given the offsets past its disk to
+        other messages), or, with replicas > 1, the same partition log, whose records go
+        out only once committed."""
+        if not marks:
+            return None
+        mine = {m[0]: m for m in self.cluster.replay.applied.values()}
+        same_log_enough = self.cluster.services is not None
+        behind = {}
+        for entry in marks:
+            try:
+                log_id, off, run = str(entry[0]), int(entry[1]), str(entry[2])
+            except (TypeError, ValueError, IndexError):
+                continue
+            mark = mine.get(log_id)
+            if mark is not None and off > mark[1] and (mark[2] == run or same_log_enough):
+                behind[log_id] = off
+        return behind
 
     def _expire(self):
         """Forget the sessions whose time for RELAY is over (oldest first)."""
@@ -618,6 +661,12 @@ class Moves:
             session = e[0]
             entry = moved.get(session.client_id)
             if entry is None or entry.session is not session:
+                continue
+            behind = entry.behind
+            if behind is not None and off <= behind.get(origin, -1):
+                # (its old node had taken it: the session got it there, or has it among the
+                # messages it brought along)
+                skip = {session} if skip is None else skip | {session}
                 continue
             seen = entry.seen
             if key in seen:

@@ -106,8 +106,9 @@ class Cluster:
         listeners, self.extra_listeners = self.extra_listeners, ""
         return f"{listeners}[storage]\n{storage}\n[sys]\ninterval = 0.3\n[cluster]\n{body}\n"
 
-    def start(self, name, **over):
-        link = free_port()
+    def start(self, name, link=None, **over):
+        """Node `name`, on link port `link` (default: a free one)."""
+        link = link or free_port()
         node = ServedBroker(self.tmp, self.config(name, link, **over))
         node.link_port = link
         self.nodes[name] = node
@@ -434,11 +435,21 @@ def test_session_follows_its_client_to_another_node(cluster, version):
     assert wait_for(lambda: sys_value(lambda: cl.client("b"), "$SYS/broker/cluster/sessions/taken_over") == "1")
 
 
-def move_while_publishing(cl, pub, first, cid, props, topic, to, hold=0.5):
+def session_on_a(cl, prefix, flt=None, qos=1):
+    """A persistent session (expiry 300 s) on node a subscribed to `flt` (default
+    `prefix`/#), its client not reconnecting by itself: (client id, properties, client)."""
+    cid, props = uid(prefix), {"SessionExpiryInterval": 300}
+    first = cl.client("a", client_id=cid, clean=False, properties=props)
+    first._reconnect_on_failure = False
+    sub(first, flt or f"{prefix}/#", qos)
+    return cid, props, first
+
+
+def move_while_publishing(cl, pub, first, cid, props, topic, to, hold=0.5, moved=None, drain_for=2.0):
     """Publish QoS 1 messages on `topic` through `pub` without pause while the persistent
     session `cid` (its client `first`, subscribed) reconnects on node `to`, and `hold`
-    seconds after. Returns (the numbers sent, those `first` got, those the new client
-    got)."""
+    seconds after (`moved(number sent so far)` called once it has reconnected). Returns
+    (the numbers sent, those `first` got, those the new client got in `drain_for` s)."""
     import threading
 
     stop = threading.Event()
@@ -458,12 +469,14 @@ def move_while_publishing(cl, pub, first, cid, props, topic, to, hold=0.5):
     first.disconnect()
     first.loop_stop()
     again = cl.client(to, client_id=cid, clean=False, properties=props)
+    if moved is not None:
+        moved(len(sent))
     time.sleep(hold)
     stop.set()
     publisher.join(10)
     assert again.connack[1].session_present is True
     before = [int(m.payload) for m in drain(first, 0.1) if m.payload != b"probe"]
-    return sent, before, [int(m.payload) for m in drain(again, 2.0)]
+    return sent, before, [int(m.payload) for m in drain(again, drain_for)]
 
 
 def test_a_session_moving_away_misses_nothing_published_on_its_old_node(cluster):
@@ -472,10 +485,7 @@ def test_a_session_moving_away_misses_nothing_published_on_its_old_node(cluster)
     # messages a takes after it handed the session over must follow it to b, not wait
     # for b's filters to reach a.
     cl = linked(cluster, "a", "b")
-    cid, props = uid("mv"), {"SessionExpiryInterval": 300}
-    first = cl.client("a", client_id=cid, clean=False, properties=props)
-    first._reconnect_on_failure = False
-    sub(first, "mv/#", 1)
+    cid, props, first = session_on_a(cl, "mv")
     sent, before, after = move_while_publishing(cl, cl.client("a"), first, cid, props, "mv/x", "b")
     missed = sorted(set(sent) - set(before) - set(after))
     assert len(sent) > 200 and not missed, (len(sent), missed[:20])
@@ -491,10 +501,7 @@ def test_a_session_moving_away_misses_nothing_other_nodes_send_its_old_node(clus
     for name in ("a", "b", "c"):
         cl.start(name, storage=disk(cl, name))
     links_up(cl, "a", "b", "c")
-    cid, props = uid("mv3"), {"SessionExpiryInterval": 300}
-    first = cl.client("a", client_id=cid, clean=False, properties=props)
-    first._reconnect_on_failure = False
-    sub(first, "mv3/#", 1)
+    cid, props, first = session_on_a(cl, "mv3")
     pub = cl.client(publisher_on)
     await_route(pub, first, "mv3/probe")
     sent, before, after = move_while_publishing(cl, pub, first, cid, props, "mv3/x", "b")
@@ -534,8 +541,13 @@ class SlowLink:
                 conn.close()
                 continue
             self.socks += [conn, out]
-            threading.Thread(target=self._pump, args=(conn, out, self.delay), daemon=True).start()
-            threading.Thread(target=self._pump, args=(out, conn, 0), daemon=True).start()
+            self._connected(conn, out)
+
+    def _connected(self, conn, out):
+        import threading
+
+        threading.Thread(target=self._pump, args=(conn, out, self.delay), daemon=True).start()
+        threading.Thread(target=self._pump, args=(out, conn, 0), daemon=True).start()
 
     @staticmethod
     def _pump(src, dst, delay):
@@ -594,15 +606,9 @@ def test_a_session_moving_away_misses_nothing_from_a_node_that_may_hear_of_the_m
     slows = [SlowLink(int(port), 0.4), SlowLink(link, 0.4)] if late else []
     try:
         cl.start("b", storage=disk(cl, "b"), **({"etcd": [f"{host}:{slows[0].port}"]} if late else {}))
-        c = ServedBroker(cl.tmp, cl.config("c", link, storage=disk(cl, "c"),
-                                           **({"advertise": f"{host}:{slows[1].port}"} if late else {})))
-        c.link_port = link
-        cl.nodes["c"] = c
+        cl.start("c", link, storage=disk(cl, "c"), **({"advertise": f"{host}:{slows[1].port}"} if late else {}))
         links_up(cl, "a", "b", "c")
-        cid, props = uid("mvs"), {"SessionExpiryInterval": 300}
-        first = cl.client("a", client_id=cid, clean=False, properties=props)
-        first._reconnect_on_failure = False
-        sub(first, "$share/g/mvs/#" if shared else "mvs/#", 1)
+        cid, props, first = session_on_a(cl, "mvs", "$share/g/mvs/#" if shared else "mvs/#")
         pub = cl.client("c")
         await_route(pub, first, "mvs/probe")
         sent, before, after = move_while_publishing(cl, pub, first, cid, props, "mvs/x", "b", hold=2.0)
@@ -613,6 +619,36 @@ def test_a_session_moving_away_misses_nothing_from_a_node_that_may_hear_of_the_m
             s.close()
 
 
+def move_in_order_with_a_late_node(cl, late, names, publisher, prefix, hold):
+    """Nodes `names` (started in that order), `late`'s link port reached through a SlowLink
+    that hands on 0.4 s late; a persistent session on a moves to b while `publisher`
+    publishes QoS 1: the session misses nothing and gets each message once, in order."""
+    host = cl.etcd.endpoint.rsplit(":", 1)[0]
+    link = free_port()
+    slow = SlowLink(link, 0.4)
+    try:
+        for name in names:
+            if name == late:
+                cl.start(name, link, storage=disk(cl, name), advertise=f"{host}:{slow.port}")
+            else:
+                cl.start(name, storage=disk(cl, name))
+        links_up(cl, *names)
+        cid, props, first = session_on_a(cl, prefix)
+        pub = cl.client(publisher)
+        await_route(pub, first, f"{prefix}/probe")
+        sent, before, after = move_while_publishing(cl, pub, first, cid, props, f"{prefix}/x", "b", hold=hold)
+        missed = sorted(set(sent) - set(before) - set(after))
+        assert len(sent) > 100 and not missed, (len(sent), len(missed), missed[:20])
+        firsts = list(dict.fromkeys(after))
+        late_ones = [n for i, n in enumerate(firsts) if i and n < max(firsts[:i])]
+        assert not late_ones, (len(late_ones), late_ones[:20], [(firsts[i], firsts[i + 1]) for i in range(
+            len(firsts) - 1) if firsts[i + 1] != firsts[i] + 1][:10])
+        twice = [i for i, n in collections.Counter(after).items() if n > 1 and i not in before]
+        assert not twice, twice[:20]
+    finally:
+        slow.close()
+
+
 def test_a_session_moving_to_its_publishers_node_gets_what_was_published_there_meanwhile_in_order(cluster):
     # The publisher is on node b, the session moves from a to b. What b publishes while it
     # asks a for the session goes to a (the session is there), which passes on what it
@@ -620,32 +656,7 @@ def test_a_session_moving_to_its_publishers_node_gets_what_was_published_there_m
     # hands on late), so it would arrive behind what b publishes once it has the session
     # and delivers directly. b gives the session those messages itself, from its own log,
     # from where a said it had taken b's log to: in order, each once.
-    cl = cluster()
-    cl.start("a", storage=disk(cl, "a"))
-    host = cl.etcd.endpoint.rsplit(":", 1)[0]
-    link = free_port()
-    slow = SlowLink(link, 0.4)
-    try:
-        b = ServedBroker(cl.tmp, cl.config("b", link, storage=disk(cl, "b"), advertise=f"{host}:{slow.port}"))
-        b.link_port = link
-        cl.nodes["b"] = b
-        links_up(cl, "a", "b")
-        cid, props = uid("mvo"), {"SessionExpiryInterval": 300}
-        first = cl.client("a", client_id=cid, clean=False, properties=props)
-        first._reconnect_on_failure = False
-        sub(first, "mvo/#", 1)
-        pub = cl.client("b")
-        await_route(pub, first, "mvo/probe")
-        sent, before, after = move_while_publishing(cl, pub, first, cid, props, "mvo/x", "b", hold=1.5)
-        missed = sorted(set(sent) - set(before) - set(after))
-        assert len(sent) > 100 and not missed, (len(sent), len(missed), missed[:20])
-        firsts = list(dict.fromkeys(after))
-        late = [n for i, n in enumerate(firsts) if i and n < max(firsts[:i])]
-        assert not late, (len(late), late[:20], [(firsts[i], firsts[i + 1]) for i in range(len(firsts) - 1) if firsts[i + 1] != firsts[i] + 1][:10])
-        twice = [i for i, n in collections.Counter(after).items() if n > 1 and i not in before]
-        assert not twice, twice[:20]
-    finally:
-        slow.close()
+    move_in_order_with_a_late_node(cluster(), "b", ("a", "b"), "b", "mvo", 1.5)
 
 
 def test_a_session_moving_away_gets_a_third_nodes_messages_in_order(cluster):
@@ -655,33 +666,7 @@ def test_a_session_moving_away_gets_a_third_nodes_messages_in_order(cluster):
     # taken on a after the hand-over and passed on to b (RELAY) behind what c, told where
     # the session went, sent b directly by then. b holds c's direct messages for the
     # session until a's passing on has caught up with them: in order, each once.
-    cl = cluster()
-    host = cl.etcd.endpoint.rsplit(":", 1)[0]
-    link = free_port()
-    slow = SlowLink(link, 0.4)
-    try:
-        a = ServedBroker(cl.tmp, cl.config("a", link, storage=disk(cl, "a"), advertise=f"{host}:{slow.port}"))
-        a.link_port = link
-        cl.nodes["a"] = a
-        for name in ("b", "c"):
-            cl.start(name, storage=disk(cl, name))
-        links_up(cl, "a", "b", "c")
-        cid, props = uid("mvt"), {"SessionExpiryInterval": 300}
-        first = cl.client("a", client_id=cid, clean=False, properties=props)
-        first._reconnect_on_failure = False
-        sub(first, "mvt/#", 1)
-        pub = cl.client("c")
-        await_route(pub, first, "mvt/probe")
-        sent, before, after = move_while_publishing(cl, pub, first, cid, props, "mvt/x", "b", hold=1.5)
-        missed = sorted(set(sent) - set(before) - set(after))
-        assert len(sent) > 100 and not missed, (len(sent), len(missed), missed[:20])
-        firsts = list(dict.fromkeys(after))
-        late = [n for i, n in enumerate(firsts) if i and n < max(firsts[:i])]
-        assert not late, (len(late), late[:20], [(firsts[i], firsts[i + 1]) for i in range(len(firsts) - 1) if firsts[i + 1] != firsts[i] + 1][:10])
-        twice = [i for i, n in collections.Counter(after).items() if n > 1 and i not in before]
-        assert not twice, twice[:20]
-    finally:
-        slow.close()
+    move_in_order_with_a_late_node(cluster(), "a", ("a", "b", "c"), "c", "mvt", 1.5)
 
 
 def test_a_third_nodes_messages_held_for_a_moved_session_go_on_without_its_old_node(cluster):
@@ -697,41 +682,21 @@ def test_a_third_nodes_messages_held_for_a_moved_session_go_on_without_its_old_n
     slow = SlowLink(link, 0.4)
     a = None
     try:
-        a = ServedBroker(cl.tmp, cl.config("a", link, storage=disk(cl, "a"), advertise=f"{host}:{slow.port}",
-                                           lease_ttl=30))
-        a.link_port = link
-        cl.nodes["a"] = a
+        a = cl.start("a", link, storage=disk(cl, "a"), advertise=f"{host}:{slow.port}", lease_ttl=30)
         for name in ("b", "c"):
             cl.start(name, storage=disk(cl, name), lease_ttl=30)
         links_up(cl, "a", "b", "c")
-        cid, props = uid("mvd"), {"SessionExpiryInterval": 300}
-        first = cl.client("a", client_id=cid, clean=False, properties=props)
-        first._reconnect_on_failure = False
-        sub(first, "mvd/#", 1)
+        cid, props, first = session_on_a(cl, "mvd")
         pub = cl.client("c")
         await_route(pub, first, "mvd/probe")
-        stop, sent = threading.Event(), []
+        moved = []
 
-        def publish_on():
-            i = 0
-            while not stop.is_set():
-                pub.publish("mvd/x", b"%d" % i, 1).wait_for_publish(5)
-                sent.append(i)
-                i += 1
-
-        publisher = threading.Thread(target=publish_on)
-        publisher.start()
-        time.sleep(0.5)
-        first.disconnect()
-        first.loop_stop()
-        again = cl.client("b", client_id=cid, clean=False, properties=props)
-        a.proc.send_signal(signal.SIGSTOP)
-        moved_at = len(sent)
-        time.sleep(1.0)
-        stop.set()
-        publisher.join(10)
-        assert again.connack[1].session_present is True
-        after = [int(m.payload) for m in drain(again, 4.0)]
+        def stop_a(count):
+            a.proc.send_signal(signal.SIGSTOP)
+            moved.append(count)
+        sent, _, after = move_while_publishing(cl, pub, first, cid, props, "mvd/x", "b", hold=1.0, moved=stop_a,
+                                               drain_for=4.0)
+        moved_at = moved[0]
         assert len(sent) - moved_at > 50 and after and after[-1] == sent[-1], (moved_at, len(sent), after[-5:])
         # In order, and at most one gap: what c sent a in the 0.4 s before it learned of b
         # (a, stopped, never passes it on); from c's first message sent b directly on, all.
@@ -752,10 +717,7 @@ def test_a_session_moving_away_takes_what_its_old_node_kept_for_it_in_the_log(cl
     for name in ("a", "b"):
         cl.start(name, storage=disk(cl, name) + "\n[limits]\nmax_queued_offline = 5")
     links_up(cl, "a", "b")
-    cid, props = uid("far"), {"SessionExpiryInterval": 300}
-    first = cl.client("a", client_id=cid, clean=False, properties=props)
-    first._reconnect_on_failure = False
-    sub(first, "far/#", 1)
+    cid, props, first = session_on_a(cl, "far")
     first.disconnect()
     first.loop_stop()
     pub = cl.client("a")
@@ -774,22 +736,10 @@ class SlowLinkFrom(SlowLink):
         self.slow_from = slow_from
         super().__init__(target_port, delay)
 
-    def _accept(self):
-        import socket
+    def _connected(self, conn, out):
         import threading
 
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            try:
-                out = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:
-                conn.close()
-                continue
-            self.socks += [conn, out]
-            threading.Thread(target=self._start, args=(conn, out), daemon=True).start()
+        threading.Thread(target=self._start, args=(conn, out), daemon=True).start()
 
     def _start(self, conn, out):
         import threading
@@ -827,14 +777,9 @@ def test_a_session_moving_gets_once_what_its_old_node_took_before_the_new_node_d
     link = free_port()
     slow = SlowLinkFrom(link, 1.5, "b")
     try:
-        c = ServedBroker(cl.tmp, cl.config("c", link, storage=disk(cl, "c"), advertise=f"{host}:{slow.port}"))
-        c.link_port = link
-        cl.nodes["c"] = c
+        cl.start("c", link, storage=disk(cl, "c"), advertise=f"{host}:{slow.port}")
         links_up(cl, "a", "b", "c")
-        cid, props = uid("dq"), {"SessionExpiryInterval": 300}
-        first = cl.client("a", client_id=cid, clean=False, properties=props)
-        first._reconnect_on_failure = False
-        sub(first, "dq/#", 2)
+        cid, props, first = session_on_a(cl, "dq", qos=2)
         watcher = cl.client("c")
         sub(watcher, "dq/#", 2)
         pub = cl.client("b")

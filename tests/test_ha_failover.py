@@ -461,17 +461,18 @@ def test_replication_runs_over_the_links_mutual_tls(cluster, tmp_path):
     assert wait_for(lambda: "CERTIFICATE_VERIFY_FAILED" in cl["d"].log, 30, 0.5), cl["d"].log[-3000:]
 
 
-def owed_session_of_killed_a(cl, cid, flt="owed/#", owed=b"kept for it"):
-    """Client `cid`'s persistent session on node a, subscribed to `flt`, with message
-    `owed` (on owed/1, unless None) queued for it; a then killed and its partition taken
-    over. (host: the node hosting a's broker, b: a's other replica, z: the node that is no
-    replica of a)."""
+def owed_session_of_killed_a(cl, cid, flt="owed/#", owed=b"kept for it", also=()):
+    """Client `cid`'s persistent session on node a (and those of the client ids in `also`),
+    subscribed to `flt`, with message `owed` (on owed/1, unless None) queued for it; a then
+    killed and its partition taken over. (host: the node hosting a's broker, b: a's other
+    replica, z: the node that is no replica of a)."""
     cl.start()
     wait_whole(cl)
-    s = paho_client(cl["a"].port, client_id=cid, version=4, clean=False)
-    assert sub(s, flt, 1) == [1]
-    s.disconnect()
-    s.loop_stop()
+    for client_id in (cid, *also):
+        s = paho_client(cl["a"].port, client_id=client_id, version=4, clean=False)
+        assert sub(s, flt, 1) == [1]
+        s.disconnect()
+        s.loop_stop()
     if owed is not None:
         pub = paho_client(cl["a"].port)
         pub.publish("owed/1", owed, 1).wait_for_publish(10)
@@ -542,20 +543,56 @@ def test_a_session_claimed_for_a_client_that_left_is_found_after_the_hand_back(c
     assert_session_back(second)
 
 
-def test_a_session_claimed_for_a_connection_closed_meanwhile_is_registered(cluster, raw_client):
-    """A claim that outlasts the connect timeout: node B closes the client's CONNECT (the client
-    has not closed its end), then gets the session from a's hosted broker. B keeps it, and
-    registers the client in etcd, so that the client's next CONNECT, on node Z after a took its
-    partition back (the restarted a holds none of the session), finds it on B: session present
-    1, and the message queued for it."""
+def test_a_claim_outlasting_the_connect_timeout_gets_the_session(cluster, raw_client):
+    """The connect timeout bounds a client that does not send its CONNECT, not the wait for
+    its session: a client of the killed node a connects (MQTT 5, clean start 0) to node B,
+    whose claim of the session from a's hosted broker waits (the answer held by the harness's
+    relay) twice as long as B's 3 s connect timeout. The CONNECT stays open and gets CONNACK
+    session present 1 and the message queued for the session."""
     cl = cluster(nodes="abcd", extra_toml="[limits]\nconnect_timeout = 3\n")
-    cid = uid("claimclosed")
+    cid = uid("claimslow")
     host, b, z = owed_session_of_killed_a(cl, cid)
     cl.net.cut("a", b)  # (the hosted broker's answer to b waits)
+    first = raw_client(cl[b].port, C.MQTT5)
+    first.send(Connect(cid, version=C.MQTT5, clean_start=False))
+    try:
+        early = first.recv(6.0)
+    except TimeoutError:
+        early = "nothing"  # (still waiting, as it should)
+    assert early == "nothing", f"b answered (or closed) the CONNECT before its session came: {early}"
+    cl.net.heal("a", b)
+    ack = raw_next(first, C.CONNACK, 30)
+    assert ack is not None and ack.reason_code == 0, ack
+    assert ack.session_present, "the session was lost: a new one was made"
+    msg = raw_next(first, C.PUBLISH, 20)
+    assert msg is not None and msg.payload == b"kept for it", msg
+
+
+def test_a_session_claimed_for_a_connection_closed_meanwhile_is_registered(cluster, raw_client):
+    """A claim that outlasts its own bound (lease_ttl + 10 s and the etcd read): node B refuses
+    the client's CONNECT, telling it the server is unavailable (3.1.1 return code 3, MQTT 5 0x88;
+    the client did nothing wrong and is to come back), while the client has not closed its end,
+    then gets the session from a's hosted broker. B keeps it, and registers the client in etcd,
+    so that the client's next CONNECT, on node Z after a took its partition back (the restarted
+    a holds none of the session), finds it on B: session present 1, and the message queued for
+    it."""
+    cl = cluster(nodes="abcd")
+    cid, cid5 = uid("claimclosed"), uid("claimclosed5")
+    host, b, z = owed_session_of_killed_a(cl, cid, also=(cid5,))
+    cl.net.cut("a", b)  # (the hosted broker's answers to b wait)
     first = raw_client(cl[b].port, C.MQTT311)
     first.send(Connect(cid, version=C.MQTT311, clean_start=False))
-    assert first.recv(20) is not None, "b did not close the CONNECT at its connect timeout"
-    cl.net.heal("a", b)  # (the session comes while b still lingers on the connection it closed)
+    first5 = raw_client(cl[b].port, C.MQTT5)
+    first5.send(Connect(cid5, version=C.MQTT5, clean_start=False))
+    bound = cl.lease_ttl + 10 + 2.0  # (the claim's, with the harness's etcd_timeout)
+    started = time.monotonic()
+    refusal = raw_next(first, C.CONNACK, bound + 20)
+    assert refusal is not None, "b did not answer the CONNECT whose claim outlasted its bound"
+    assert refusal.reason_code == C.CONNACK_REFUSED_SERVER_UNAVAILABLE and not refusal.session_present, refusal
+    assert time.monotonic() - started >= bound - 1.0, "refused before the claim's bound"
+    refusal5 = raw_next(first5, C.CONNACK, 10)
+    assert refusal5 is not None and refusal5.reason_code == C.SERVER_UNAVAILABLE, refusal5
+    cl.net.heal("a", b)  # (the sessions come while b still lingers on the connections it closed)
     assert wait_for(lambda: cl.client_owners().get(cid) == b, 10, 0.1), \
         f"node {b} did not register the session it took: {cl.client_owners().get(cid)}"
     first.sock.close()

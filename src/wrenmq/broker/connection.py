@@ -30,6 +30,7 @@ log = logging.getLogger("wrenmq.connection")
 
 # Why reading is paused (a bit each; reading resumes when none is left).
 _P_WRITE, _P_AUTH, _P_RATE, _P_CLOSE, _P_TURN = 1, 2, 4, 8, 16
+_CLAIMING, _CLAIMED = 1, 2  # Connection._claim: a CONNECT's session being taken over, taken
 # Bytes a connection reads before it lets the others have a loop turn (Broker.yield_turn):
 # a pause/resume pair (two epoll_ctl at most) per 256 KiB costs nothing measurable.
 READ_TURN_BYTES = 256 * 1024
@@ -48,7 +49,7 @@ class Connection(asyncio.Protocol):
         "_pending", "clean_disconnect", "state", "_auth_method", "_connect", "_reason",
         "close_pending", "_paused", "_bucket", "_backlog", "_backed", "_room", "_high",
         "_stopped", "_sniff", "_rx_turn", "_error", "_wrote", "_lingering", "_discarded",
-        "bytes_in", "bytes_out", "packets_in", "__weakref__",
+        "bytes_in", "bytes_out", "packets_in", "_claim", "__weakref__",
     )
 
     def __init__(self, broker, listener, name=None, sniff=False):
@@ -72,6 +73,7 @@ class Connection(asyncio.Protocol):
         self.state = NEW  # states.py: what the client may send, how it moves on
         self._auth_method = None
         self._connect = None
+        self._claim = None  # _CLAIMING while the cluster takes the session over, then _CLAIMED
         self._reason = None
         self.close_pending = False  # close once held output has been written
         self._paused = 0
@@ -658,8 +660,14 @@ class Connection(asyncio.Protocol):
         cluster = self.broker.cluster
         if cluster is not None and not pkt.clean_start and pkt.client_id and \
                 pkt.client_id not in self.router.sessions:
-            # Its session may be on another node: have it handed over first.
+            # Its session may be on another node: have it handed over first. The CONNECT
+            # is all here: the connect timeout, which bounds a client that does not send
+            # it, gives way to the claim's own bound (a failover it waits for takes the
+            # lease and more), past which the client is told the server is unavailable.
             self._pause(_P_AUTH)
+            self._claim = _CLAIMING
+            self._unwatch()
+            self._watch = self.broker.watch(self, monotonic() + cluster.claim_timeout)
             self.broker.spawn(self._claim_then_accept(cluster, pkt, auth_props))
             return
         self._accept(pkt, auth_props)
@@ -667,9 +675,18 @@ class Connection(asyncio.Protocol):
     async def _claim_then_accept(self, cluster, pkt, auth_props):
         adopted = False
         try:
-            adopted = await cluster.claim(pkt.client_id, self._client_left)
+            adopted = await cluster.claim(pkt.client_id, self._claim_given_up)
+        except TimeoutError:
+            # (The session is kept where it is, replicated: starting a new one here would
+            # end it. The client is to come back for it.)
+            if not self.closing:
+                log.info("client %s: its session was not handed over in time", pkt.client_id)
+                self.refuse(pkt.version, C.SERVER_UNAVAILABLE)
+            return
         except Exception:
             log.exception("taking %s's session over from another node failed", pkt.client_id)
+        finally:
+            self._claim = _CLAIMED
         if not self.closing and self._client_left():
             # (Its registration, newer than that of the connection it opened since, would
             # take the client id, and the session, from that live connection.)
@@ -680,6 +697,11 @@ class Connection(asyncio.Protocol):
             self._accept(pkt, auth_props)
         elif adopted:
             self.router.park_adopted(pkt.client_id)  # the client left meanwhile
+
+    def _claim_given_up(self):
+        """Whether the CONNECT whose session is being claimed is over: refused here (the
+        claim outlasted its bound) or closed by its client."""
+        return self.closing or self._client_left()
 
     def _client_left(self):
         """Whether the client has closed its end while reading was paused (a CONNECT it
@@ -714,8 +736,9 @@ class Connection(asyncio.Protocol):
         now = self._last_rx = monotonic()
         if self.keepalive:
             limit = self.keepalive * 1.5
-            if limit < self.broker.config.limits.connect_timeout:
-                # Sooner than the connect-timeout check, which otherwise starts it.
+            if limit < self.broker.config.limits.connect_timeout or self._claim is not None:
+                # Sooner than the connect-timeout check, which otherwise starts it (a
+                # claim took that check's place: Broker._sweep skips a watched connection).
                 self._watch = self.broker.watch(self, now + limit)
         pending = self._pending
         self._pending = None
@@ -768,6 +791,12 @@ class Connection(asyncio.Protocol):
         if state == NEW:
             log.info("closing %s: no CONNECT within the connect timeout", self.address)
             self.close()
+        elif state == AUTH and self._claim == _CLAIMING:
+            # (Its claim goes on: a session it takes now stays here offline, registered
+            # here, for the client's next CONNECT: Router.park_adopted.)
+            log.info("closing %s: its session was not handed over from another node within %.0f s",
+                     self.address, self.broker.cluster.claim_timeout)
+            self.refuse(self.version, C.SERVER_UNAVAILABLE)
         elif state == AUTH:
             log.info("closing %s: authentication not finished within the connect timeout", self.address)
             self.refuse(self.version, C.NOT_AUTHORIZED)

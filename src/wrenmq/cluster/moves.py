@@ -140,11 +140,23 @@ class Moves:
         self._claiming = set()  # client ids whose session `claim` is taking from another node
         self._claim_from = {}  # client id -> this node's log end when `claim` began asking for it
 
+    @property
+    def claim_timeout(self):
+        """Seconds a CONNECT waits for `claim`: the etcd read that finds the session's
+        node, then its ask (with replicas > 1, the time the partition's broker may take to
+        come back). The CONNECT is refused past it; the claim may go on (`_ask_partition`)."""
+        services = self.cluster.services
+        wait = services.claim_wait if services is not None else _HANDOVER_TIMEOUT
+        return self.cluster.cfg.etcd_timeout + wait
+
     async def claim(self, cid, gone=None):
         """Before a CONNECT with clean start 0 whose session is not here: ask the node
         that holds it (`clients/<cid>`) to hand it over, and take it in. False if there
-        was nothing to take (or no answer within _HANDOVER_TIMEOUT; with replicas > 1,
-        `_ask_partition`). `gone()`: whether the client gave the CONNECT up meanwhile."""
+        was nothing to take (or no answer within _HANDOVER_TIMEOUT). With replicas > 1
+        (`_ask_partition`), TimeoutError if the session's partition did not hand it over
+        in time: it keeps the session, which a new one here would end. `gone()`: whether
+        the CONNECT is over (its client gave it up, or it was refused for taking too
+        long)."""
         cluster = self.cluster
         peers = cluster.links.peers
         services = cluster.services
@@ -173,6 +185,8 @@ class Moves:
                     self._claiming.discard(cid)
         finally:
             self._claim_from.pop(cid, None)
+        if taken is False and services is not None:
+            raise TimeoutError(f"node {owner} did not hand {cid}'s session over in time")
         if not taken:  # (False: no answer in time; None: no session there)
             return False
         # (A client that went meanwhile, to another node likely, leaves the session here
@@ -211,7 +225,10 @@ class Moves:
         may take seconds to reach. So the ask waits up to `timeout` seconds for a link to
         the partition's broker, and for its answer as long as that link stays up (an
         answer dropped for being late would lose the session: its old node has removed
-        it); a link that goes before the answer came is asked again through the next. A
+        it), up to `timeout` seconds more: the CONNECT may have been refused meanwhile
+        (`claim_timeout`), and the session is then kept here for the client's next one
+        (Router.park_adopted); a link that goes before the answer came is asked again
+        through the next. A
         node that handed the session on to another says where (a client that gave up a
         CONNECT that claimed it, and came here): that node is asked next, unless this
         CONNECT was given up too (`gone()`); so is the node etcd names for the client now,
@@ -220,6 +237,7 @@ class Moves:
         cluster = self.cluster
         links = cluster.links
         deadline = cluster.loop.time() + timeout
+        late = deadline + timeout  # (for an answer on its way over a link that stays up)
         hops = 0
         asked = set()  # nodes that had no session and could not say where it went
         while True:
@@ -233,12 +251,12 @@ class Moves:
             links.send_control(peer, F.encode_session_ask(rid, cid))
             try:
                 while not fut.done():
-                    if cluster.loop.time() >= deadline:
-                        log.warning("cluster: node %s did not hand %s's session over within %.0f s; it starts "
-                                    "anew here", owner, cid, timeout)
-                        return False
                     if links.peers.get(owner) is not peer or peer.link is not link or not links.linked(peer):
                         break  # (the answer cannot come over that link any more: ask again)
+                    if cluster.loop.time() >= late:
+                        log.warning("cluster: node %s did not hand %s's session over within %.0f s",
+                                    owner, cid, 2 * timeout)
+                        return False
                     await asyncio.wait([fut], timeout=0.1)
             finally:
                 self._asks.pop(rid, None)

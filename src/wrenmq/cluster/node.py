@@ -187,9 +187,15 @@ class Cluster:
         """{node: value} of `key` as each node told it (`advertise_info`), read from etcd now."""
         return await self.membership.read_info(key)
 
+    @property
+    def claim_timeout(self):
+        """Seconds a CONNECT may wait for `claim` before it is refused (moves.py)."""
+        return self.moves.claim_timeout
+
     async def claim(self, cid, gone=None):
         """Take client `cid`'s session from the node that holds it, if another does: True
-        if it is here now (moves.py). `gone()`: whether the client gave the CONNECT up."""
+        if it is here now; with replicas > 1, TimeoutError if its partition did not hand
+        it over in time (moves.py). `gone()`: whether the CONNECT is over."""
         return await self.moves.claim(cid, gone)
 
     # --- figures ----------------------------------------------------------------------

@@ -548,13 +548,15 @@ def test_a_claim_outlasting_the_connect_timeout_gets_the_session(cluster, raw_cl
     its session: a client of the killed node a connects (MQTT 5, clean start 0) to node B,
     whose claim of the session from a's hosted broker waits (the answer held by the harness's
     relay) twice as long as B's 3 s connect timeout. The CONNECT stays open and gets CONNACK
-    session present 1 and the message queued for the session."""
+    session present 1 and the message queued for the session; then its keepalive (2 s: 3 s
+    without a packet) is enforced, though the connect-timeout check it would have started
+    with was skipped while the claim waited."""
     cl = cluster(nodes="abcd", extra_toml="[limits]\nconnect_timeout = 3\n")
     cid = uid("claimslow")
     host, b, z = owed_session_of_killed_a(cl, cid)
     cl.net.cut("a", b)  # (the hosted broker's answer to b waits)
     first = raw_client(cl[b].port, C.MQTT5)
-    first.send(Connect(cid, version=C.MQTT5, clean_start=False))
+    first.send(Connect(cid, version=C.MQTT5, clean_start=False, keepalive=2))
     try:
         early = first.recv(6.0)
     except TimeoutError:
@@ -566,6 +568,7 @@ def test_a_claim_outlasting_the_connect_timeout_gets_the_session(cluster, raw_cl
     assert ack.session_present, "the session was lost: a new one was made"
     msg = raw_next(first, C.PUBLISH, 20)
     assert msg is not None and msg.payload == b"kept for it", msg
+    assert first.closed(20), "the client's keepalive was not enforced after the claim"
 
 
 def test_a_session_claimed_for_a_connection_closed_meanwhile_is_registered(cluster, raw_client):

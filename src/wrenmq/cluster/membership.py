@@ -269,9 +269,21 @@ class Membership:
             self._flushing.cancel()
 
     async def leave(self):
-        """Revoke the lease (the others drop this node's keys now) and close the client."""
+        """Write what is still to be written, revoke the lease (the others drop this node's
+        keys now) and close the client.
+
+        The writes first: a client whose session this node has just taken over from another
+        node is registered there still, until this node's registration is written. Left
+        unwritten, that registration would name the old node when this node is back, and
+        this node would end the session it holds on its disk as taken elsewhere meanwhile
+        (`_register_held`)."""
         if self.etcd is None:
             return
+        try:
+            if self._pending and self.etcd_up:
+                await asyncio.wait_for(self._flush_pending(), self.cfg.etcd_timeout)
+        except Exception as e:
+            log.warning("cluster: could not write this node's last client registrations on leaving (%s)", e)
         try:
             if self.lease is not None:
                 await asyncio.wait_for(self.lease.revoke(), self.cfg.etcd_timeout)

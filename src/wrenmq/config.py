@@ -141,10 +141,9 @@ class LimitsSection:
     topic_alias_maximum: int = _key(64, "Topic aliases a 5.0 client may use towards the broker.", 0, 65535)
     max_session_expiry: int = _key(4294967295, "Cap (s) on session expiry; 4294967295 = no cap.", 0, 4294967295)
     max_message_expiry: int = _key(0, "Cap (s) on message expiry, applied to every message; 0 = no cap.", 0, 4294967295)
-    connect_timeout: float = _key(10.0, "Seconds a new connection has to send CONNECT (and finish TLS, "
-                                  "WebSocket and authentication). A CONNECT whose session another "
-                                  "cluster node is handing over waits for that instead, within the "
-                                  "cluster's own bound (docs/CLUSTER.md).", 0.1, 3600)
+    connect_timeout: float = _key(10.0, "Seconds a new connection has to send CONNECT (and finish TLS, WebSocket "
+                                  "and authentication). A CONNECT whose session another cluster node hands "
+                                  "over waits for that, within the cluster's bound (docs/CLUSTER.md).", 0.1, 3600)
     max_topic_levels: int = _key(128, "Levels allowed in a topic name or filter.", 1, 65535)
     write_buffer_high: int = _key(1048576, "Bytes buffered for one slow client before QoS 0 is dropped "
                                   "and its reading paused.", 4096)

@@ -300,9 +300,14 @@ def test_a_node_cut_from_etcd_answers_its_clients_nothing_once_it_stopped_leadin
         completed = any(p.TYPE == C.PUBCOMP for p in after)
         # The client goes on elsewhere as MQTT says: the release again if it had no PUBCOMP,
         # then its next message under the packet id it holds free.
-        c2 = raw_client(b.port, C.MQTT5, timeout=40)
-        c2.send(Connect(cid, version=C.MQTT5, clean_start=False, properties=expiry))
-        ack = c2.recv(40)
+        # (0x88 Server unavailable: b could not have the session handed over in time, and a
+        # client comes back for it, as CLUSTER.md says; the session stays where it is.)
+        for _ in range(3):
+            c2 = raw_client(b.port, C.MQTT5, timeout=40)
+            c2.send(Connect(cid, version=C.MQTT5, clean_start=False, properties=expiry))
+            ack = c2.recv(40)
+            if ack.TYPE != C.CONNACK or ack.reason_code != C.SERVER_UNAVAILABLE:
+                break
         assert ack.TYPE == C.CONNACK and ack.reason_code == 0 and ack.session_present, ack
         if not completed:
             c2.send(Pubrel(1))

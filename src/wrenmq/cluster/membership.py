@@ -279,6 +279,8 @@ class Membership:
         (`_register_held`)."""
         if self.etcd is None:
             return
+        loop = self.cluster.loop
+        deadline = loop.time() + self.cfg.etcd_timeout  # (both, as long as the revoke alone took)
         try:
             if self._pending and self.etcd_up:
                 await asyncio.wait_for(self._flush_pending(), self.cfg.etcd_timeout)
@@ -286,7 +288,7 @@ class Membership:
             log.warning("cluster: could not write this node's last client registrations on leaving (%s)", e)
         try:
             if self.lease is not None:
-                await asyncio.wait_for(self.lease.revoke(), self.cfg.etcd_timeout)
+                await asyncio.wait_for(self.lease.revoke(), max(0.1, deadline - loop.time()))
         except Exception as e:
             log.warning("cluster: could not revoke the lease on leaving (%s); the node's keys "
                         "go when it runs out", e)
